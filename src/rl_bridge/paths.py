@@ -1,0 +1,40 @@
+"""Project-local locations: caches, environments and run directories.
+
+Everything lives under the project root (the checkout), overridable with environment variables,
+so a run never writes outside the places a user expects.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_dir", "gym_python", "project_root"]
+
+
+def project_root() -> Path:
+    """The checkout this package was installed from (editable install), else the working directory."""
+    env = os.environ.get("VIDEO_GRPO_ROOT")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "envs").is_dir():
+            return parent
+    return Path.cwd()
+
+
+def cache_dir(*parts: str) -> Path:
+    """``$VIDEO_GRPO_CACHE`` or ``<project root>/.cache``, joined with ``parts`` and created."""
+    base = Path(os.environ.get("VIDEO_GRPO_CACHE", project_root() / ".cache"))
+    path = base.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def gym_python() -> Path:
+    """The Python interpreter of the NeMo Gym environment (``$VIDEO_GRPO_GYM_PYTHON`` overrides)."""
+    env = os.environ.get("VIDEO_GRPO_GYM_PYTHON")
+    if env:
+        return Path(env)
+    return project_root() / "envs" / "gym" / ".venv" / "bin" / "python"

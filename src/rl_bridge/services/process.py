@@ -1,0 +1,162 @@
+"""A child process that is always cleaned up: its own process group, a log file, a health check.
+
+Every server this project starts (vLLM, Gym servers) goes through :class:`ManagedProcess`, so
+that a failing test, a Ctrl-C or an exception in the trainer never leaves orphans behind:
+the child gets its own session, :meth:`ManagedProcess.stop` signals the whole group (SIGTERM,
+then SIGKILL), and an ``atexit`` hook stops whatever is still running when the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["ManagedProcess", "ServiceError", "free_port", "wait_for_http"]
+
+
+class ServiceError(RuntimeError):
+    """A managed service failed to start, died, or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now (loopback by default)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_http(
+    url: str,
+    *,
+    timeout_s: float,
+    process: ManagedProcess | None = None,
+    interval_s: float = 0.5,
+) -> None:
+    """Poll ``url`` until it answers HTTP 200, ``timeout_s`` passes, or ``process`` dies.
+
+    Raises:
+        ServiceError: on timeout or when ``process`` exits first; the message includes the
+            tail of the process log.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_error: str = "no attempt"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise ServiceError(
+                f"{process.name} exited with code {process.poll()} before {url} became healthy.\n"
+                f"--- last lines of {process.log_path} ---\n{process.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+                last_error = f"HTTP {response.status}"
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            last_error = repr(exc)
+        time.sleep(interval_s)
+    tail = f"\n--- last lines of {process.log_path} ---\n{process.log_tail()}" if process else ""
+    raise ServiceError(f"{url} not healthy after {timeout_s:.0f} s (last error: {last_error}).{tail}")
+
+
+_live: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for proc in list(_live):
+        proc.stop()
+
+
+class ManagedProcess:
+    """A subprocess in its own process group, logging to a file, stopped with its whole group.
+
+    Use as a context manager or call :meth:`stop` (safe to call more than once)::
+
+        with ManagedProcess("vllm", [python, "-m", "vllm.entrypoints.openai.api_server", ...],
+                            log_path=run_dir / "vllm.log") as proc:
+            wait_for_http("http://127.0.0.1:8000/health", timeout_s=300, process=proc)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = dict(os.environ)
+        if env is not None:
+            full_env.update(env)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=None if cwd is None else str(cwd),
+            start_new_session=True,
+        )
+        _live.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        """Exit code, or ``None`` while running."""
+        return self._proc.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the process log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"<log unreadable: {exc}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, *, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``timeout_s``."""
+        if self._proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self._proc.wait(timeout=10)
+        # Children that ignored SIGTERM (engine cores, Ray workers) must not survive their leader.
+        self._signal_group(signal.SIGKILL)
+        if not self._log.closed:
+            self._log.close()
+        _live.discard(self)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.poll() is None else f"exited({self.poll()})"
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, {state}, log={str(self.log_path)!r})"

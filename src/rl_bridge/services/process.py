@@ -122,6 +122,10 @@ class ManagedProcess:
         """Exit code, or ``None`` while running."""
         return self._proc.poll()
 
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the process exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``)."""
+        return self._proc.wait(timeout=timeout_s)
+
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the process log."""
         try:

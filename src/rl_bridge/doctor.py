@@ -1,0 +1,86 @@
+"""``video-grpo doctor``: check that the environments hold what each process role needs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rl_bridge.paths import gym_python
+
+__all__ = ["Check", "run_checks"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _version_of(module: str) -> Callable[[], str]:
+    def probe() -> str:
+        mod = importlib.import_module(module)
+        return str(getattr(mod, "__version__", "imported"))
+
+    return probe
+
+
+def _vllm_plugin_entry_point() -> str:
+    names = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    from vllm_video_plugin import PLUGIN_NAME
+
+    if PLUGIN_NAME not in names:
+        raise LookupError(f"{PLUGIN_NAME!r} not in vllm.general_plugins entry points: {sorted(names)}")
+    return f"{PLUGIN_NAME} -> {names[PLUGIN_NAME]}"
+
+
+def _megatron_bridge() -> str:
+    from rl_bridge.megatron import import_megatron_bridge
+
+    bridge = import_megatron_bridge()
+    return metadata.version("megatron-bridge") + f" ({bridge.__name__})"
+
+
+def _gym_env() -> str:
+    python = gym_python()
+    if not python.exists():
+        raise FileNotFoundError(f"{python} does not exist; run scripts/setup")
+    out = subprocess.run(
+        [str(python), "-c", "import nemo_gym, gym_video_env; print(nemo_gym.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed")
+    return f"nemo_gym {out.stdout.strip()} at {python}"
+
+
+def _run(name: str, probe: Callable[[], str]) -> Check:
+    try:
+        return Check(name, True, probe())
+    except Exception as exc:  # noqa: BLE001 - a doctor reports every failure, whatever its type
+        return Check(name, False, f"{type(exc).__name__}: {exc}")
+
+
+def run_checks(*, verbose: bool = False) -> bool:
+    """Run every check, print one line per check, return whether all passed."""
+    checks = [
+        _run("torch", _version_of("torch")),
+        _run("transformers", _version_of("transformers")),
+        _run("av (PyAV)", _version_of("av")),
+        _run("vllm", _version_of("vllm")),
+        _run("vllm plugin entry point", _vllm_plugin_entry_point),
+        _run("megatron.core", _version_of("megatron.core")),
+        _run("megatron.bridge", _megatron_bridge),
+        _run("gym environment", _gym_env),
+    ]
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        detail = c.detail if (verbose or not c.ok) else c.detail.splitlines()[0][:100]
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<{width}}  {detail}")
+    return all(c.ok for c in checks)

@@ -38,7 +38,7 @@ def _vllm_plugin_entry_point() -> str:
 
 
 def _megatron_bridge() -> str:
-    from rl_bridge.megatron import import_megatron_bridge
+    from rl_bridge.megatron.te_standin import import_megatron_bridge
 
     bridge = import_megatron_bridge()
     return metadata.version("megatron-bridge") + f" ({bridge.__name__})"

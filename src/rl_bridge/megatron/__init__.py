@@ -1,0 +1,11 @@
+"""Megatron-Core policy through Megatron-Bridge: model build, forward, and the host support it needs.
+
+Modules:
+
+* :mod:`.te_standin`: import ``megatron.bridge`` where Transformer Engine is not installed;
+* :mod:`.cpu_support`: run megatron-core on a host without CUDA (a no-op with CUDA);
+* :mod:`.attention`: a ``scaled_dot_product_attention`` core attention for the local layer spec;
+* :mod:`.model`: build the policy from an HF checkpoint (``AutoBridge``) and compute its logits.
+
+Importing this package imports neither megatron-core nor Megatron-Bridge.
+"""

@@ -1,0 +1,179 @@
+"""Run megatron-core on a host without CUDA (tests and the embedded CPU demo).
+
+megatron-core 0.19 assumes CUDA in many places: ``torch.cuda.current_device()`` when building
+rotary embeddings and attention buffers, the CUDA RNG tracker's ``fork()`` around dropout,
+``torch.zeros(..., device="cuda")`` in the pipeline schedules, ``torch.tensor(..., device="cuda")``
+and ``Tensor.cuda()`` in the optimizer, and an assertion on ``torch.cuda.FloatTensor`` in gradient
+clipping. This module holds the adjustments that make the model build,
+forward, backward, schedule and optimizer step run on CPU with world size 1:
+
+* :func:`cpu_execution`, held for as long as Megatron code runs:
+  ``torch.cuda.current_device()`` returns ``"cpu"``; Megatron's RNG tracker is the no-op
+  inference tracker (dropout then draws from torch's default CPU generator, which is exact for
+  tensor-parallel size 1); and a :class:`~torch.overrides.TorchFunctionMode` creates tensors asked
+  for on ``device="cuda"`` on the CPU and makes ``Tensor.cuda()`` return the tensor itself (the
+  schedules, the optimizer, DDP buffers, and the causal mask of the local ``DotProductAttention``).
+* :func:`optimizer_config_for_host`: gradient clipping off (``clip_grad=0``).
+* :func:`single_process_group`: torch.distributed with world size 1 on a free loopback port and
+  Megatron's parallel state with TP = PP = 1.
+
+Every adjustment is a no-op when ``torch.cuda.is_available()`` is true, and every one is undone
+when its context exits. The device and RNG-tracker patches are process-wide while active; the
+tensor-creation mode applies to the thread that entered :func:`cpu_execution`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rl_bridge.services.process import free_port
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
+
+__all__ = [
+    "cpu_execution",
+    "cpu_execution_active",
+    "cpu_support_needed",
+    "optimizer_config_for_host",
+    "single_process_group",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_support_needed() -> bool:
+    """Whether megatron-core needs this module's adjustments: true exactly when CUDA is unavailable."""
+    return not torch.cuda.is_available()
+
+
+def _cpu_current_device() -> str:
+    """Replacement for ``torch.cuda.current_device`` while :func:`cpu_execution` is active."""
+    return "cpu"
+
+
+def cpu_execution_active() -> bool:
+    """Whether :func:`cpu_execution` is applied right now (always ``False`` when CUDA is available)."""
+    return torch.cuda.current_device is _cpu_current_device
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":", 1)[0] == "cuda"
+
+
+class _CudaTensorsOnCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` keyword arguments to the CPU and makes ``Tensor.cuda()`` a no-op."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def cpu_execution() -> Iterator[bool]:
+    """Let megatron-core build and run models on the CPU for the duration of the block.
+
+    Yields:
+        ``True`` when the adjustments are applied (no CUDA), ``False`` when CUDA is available and
+        nothing was changed.
+
+    Inside the block ``torch.cuda.current_device()`` returns ``"cpu"``,
+    ``megatron.core.tensor_parallel.random`` holds the no-op RNG tracker
+    (``initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)``), and, in this thread,
+    ``device="cuda"`` tensor creation goes to the CPU and ``Tensor.cuda()`` is a no-op. On exit all
+    three are restored to what they were, including a tracker that existed before. Nesting is
+    allowed.
+    """
+    if not cpu_support_needed():
+        yield False
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    saved_current_device = torch.cuda.current_device
+    saved_tracker = mcore_random._CUDA_RNG_STATE_TRACKER
+    saved_tracker_initialized = mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    torch.cuda.current_device = _cpu_current_device
+    try:
+        mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        with _CudaTensorsOnCpu():
+            yield True
+    finally:
+        torch.cuda.current_device = saved_current_device
+        mcore_random._CUDA_RNG_STATE_TRACKER = saved_tracker
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker_initialized
+
+
+def optimizer_config_for_host(config: OptimizerConfig) -> OptimizerConfig:
+    """``config`` unchanged when CUDA is available; on CPU a copy with gradient clipping off.
+
+    megatron-core's ``clip_grad_norm_fp32`` asserts that gradients are ``torch.cuda.FloatTensor``,
+    so ``clip_grad`` must be 0 on CPU. A warning names the clipping value that was dropped.
+    """
+    if not cpu_support_needed() or config.clip_grad == 0.0:
+        return config
+    logger.warning(
+        "megatron-core cannot clip gradients on CPU; clip_grad=%s is replaced by 0.0 (no clipping)",
+        config.clip_grad,
+    )
+    return dataclasses.replace(config, clip_grad=0.0)
+
+
+@contextmanager
+def single_process_group(*, seed: int = 0) -> Iterator[None]:
+    """torch.distributed with world size 1 and Megatron's parallel state with TP = PP = 1.
+
+    Args:
+        seed: seed of Megatron's model-parallel CUDA RNG states; used only when CUDA is available
+            (on CPU, :func:`cpu_execution` installs the no-op tracker instead).
+
+    The backend is gloo on a host without CUDA and NCCL on device 0 otherwise; the rendezvous is
+    a free TCP port on 127.0.0.1. On exit the parallel state and the process group are destroyed.
+
+    Raises:
+        RuntimeError: torch.distributed is already initialised in this process.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "single_process_group: torch.distributed is already initialised in this process "
+            f"(backend {torch.distributed.get_backend()}, world size {torch.distributed.get_world_size()})"
+        )
+    use_cuda = not cpu_support_needed()
+    if use_cuda:
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1
+        )
+        if use_cuda:
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,248 @@
+"""The policy as a Megatron-Core model, built from a Hugging Face checkpoint by Megatron-Bridge.
+
+``AutoBridge.from_hf_pretrained(path)`` reads the checkpoint's config and weights,
+``to_megatron_provider(load_weights=True)`` turns the config into a model provider that copies the
+HF weights in after construction, and ``provide_distributed_model`` builds the model. All geometry
+(layer sizes, heads, vocabulary, the vision tower's patch/merge/temporal sizes, multimodal RoPE
+sections, special token ids) comes from the checkpoint. Supported: Qwen2.5-VL (HF vision tower,
+Megatron GPT language model), the one video model of Megatron-Bridge 0.6 that runs without
+Transformer Engine.
+
+Call everything here with torch.distributed initialised (:func:`.cpu_support.single_process_group`)
+and, on a host without CUDA, inside :func:`.cpu_support.cpu_execution`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+
+from rl_bridge.megatron.cpu_support import cpu_execution_active, cpu_support_needed
+from rl_bridge.megatron.te_standin import import_megatron_bridge, transformer_engine_installed
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer.module import MegatronModule
+
+__all__ = ["LayerSpec", "build_policy", "forward_logits", "hf_vocab_size", "load_bridge", "mrope_section"]
+
+LayerSpec = Literal["auto", "transformer_engine", "local", "local_sdpa"]
+"""Implementation of the language model's transformer layers.
+
+``transformer_engine``: Megatron-Bridge's default TE spec (needs TE). ``local``: megatron-core's
+pure-PyTorch spec with its ``DotProductAttention`` (O(S^2) attention memory). ``local_sdpa``: the
+local spec with :class:`~rl_bridge.megatron.attention.SDPADotProductAttention`.
+``auto``: ``transformer_engine`` when TE is installed, else ``local_sdpa``.
+"""
+
+_SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def load_bridge(hf_path: str | Path) -> AutoBridge:
+    """Megatron-Bridge's ``AutoBridge`` for the HF checkpoint directory ``hf_path``.
+
+    The bridge also exports trained weights back in HF names (``export_hf_weights``).
+
+    Raises:
+        FileNotFoundError: ``hf_path`` has no ``config.json``.
+        ValueError: the checkpoint's architecture is not supported.
+    """
+    path = Path(hf_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"load_bridge: {path} is not a Hugging Face checkpoint (no config.json)")
+    bridge_module = import_megatron_bridge()
+    bridge = bridge_module.AutoBridge.from_hf_pretrained(path)
+    architectures = tuple(getattr(bridge.hf_pretrained.config, "architectures", None) or ())
+    if not set(architectures) & set(_SUPPORTED_ARCHITECTURES):
+        raise ValueError(
+            f"load_bridge: {path} has architectures {list(architectures)}; "
+            f"supported: {list(_SUPPORTED_ARCHITECTURES)}"
+        )
+    return bridge
+
+
+def mrope_section(text_config: Any) -> list[int]:
+    """The multimodal RoPE sections (temporal, height, width) of an HF Qwen2.5-VL text config.
+
+    They split ``head_dim / 2`` rotary frequencies between the three position axes. Read from
+    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (earlier).
+
+    Raises:
+        ValueError: the config has no ``mrope_section`` or it does not sum to ``head_dim / 2``.
+    """
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    section = rope.get("mrope_section")
+    if not section:
+        raise ValueError(
+            f"mrope_section: the text config has no mrope_section in its RoPE parameters {rope}"
+        )
+    head_dim = getattr(text_config, "head_dim", None) or (
+        text_config.hidden_size // text_config.num_attention_heads
+    )
+    if 2 * sum(section) != head_dim:
+        raise ValueError(
+            f"mrope_section: {list(section)} sums to {sum(section)}, but head_dim / 2 is {head_dim // 2}"
+        )
+    return [int(s) for s in section]
+
+
+def _layer_spec(choice: LayerSpec) -> Any:
+    """The provider's ``transformer_layer_spec`` for ``choice``, or ``None`` to keep its TE default."""
+    te = transformer_engine_installed()
+    if choice == "auto":
+        choice = "transformer_engine" if te else "local_sdpa"
+    if choice == "transformer_engine":
+        if not te:
+            raise ValueError("build_policy: layer_spec='transformer_engine', but TE is not installed")
+        return None
+    if choice == "local":
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        return local_layer_spec
+    from rl_bridge.megatron.attention import sdpa_local_layer_spec
+
+    return sdpa_local_layer_spec
+
+
+def _require_runtime(caller: str) -> None:
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            f"{caller}: torch.distributed is not initialised; "
+            "use rl_bridge.megatron.cpu_support.single_process_group() or the trainer's launcher"
+        )
+    if cpu_support_needed() and not cpu_execution_active():
+        raise RuntimeError(
+            f"{caller}: CUDA is not available; run inside rl_bridge.megatron.cpu_support.cpu_execution()"
+        )
+
+
+def build_policy(
+    hf_path: str | Path,
+    *,
+    dtype: torch.dtype,
+    freeze_vision: bool = False,
+    freeze_projector: bool = False,
+    layer_spec: LayerSpec = "auto",
+    ddp_config: DistributedDataParallelConfig | None = None,
+) -> list[MegatronModule]:
+    """Build the Megatron-Core policy from the HF checkpoint at ``hf_path``, weights loaded.
+
+    Args:
+        hf_path: HF checkpoint directory (config, safetensors).
+        dtype: parameter and compute dtype: ``torch.float32``, ``torch.bfloat16`` or
+            ``torch.float16`` (half precision wraps the model in Megatron's ``Float16Module``, which
+            returns fp32 logits).
+        freeze_vision: no gradients for the vision tower (patch embedding and blocks).
+        freeze_projector: no gradients for the vision-to-language projector (the merger).
+        layer_spec: the language model's layer implementation, see :data:`LayerSpec`.
+        ddp_config: wrap each module in megatron-core's ``DistributedDataParallel`` with this
+            config; ``None`` returns the unwrapped modules (logprob-only use, tests).
+
+    Returns:
+        One module per virtual pipeline stage (a single module without virtual pipelining).
+        Without CUDA, parameters live on the CPU; with CUDA, on the current device.
+
+    Raises:
+        ValueError: unsupported ``dtype``, ``layer_spec`` or checkpoint.
+        RuntimeError: torch.distributed is not initialised, or CUDA is unavailable and
+            :func:`.cpu_support.cpu_execution` is not active.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"build_policy: dtype={dtype}; expected one of {[str(d) for d in _DTYPES]}")
+    if layer_spec not in get_args(LayerSpec):
+        raise ValueError(f"build_policy: layer_spec={layer_spec!r}; expected one of {get_args(LayerSpec)}")
+    _require_runtime("build_policy")
+    bridge = load_bridge(hf_path)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    # Megatron-Bridge 0.6 leaves the provider's default [16, 24, 24] (head_dim 128) in place.
+    provider.mrope_section = mrope_section(bridge.hf_pretrained.config.text_config)
+    spec = _layer_spec(layer_spec)
+    if spec is not None:
+        provider.transformer_layer_spec = spec
+    provider.freeze_vision_model = freeze_vision
+    provider.freeze_vision_projection = freeze_projector
+    provider.finalize()
+
+    on_cpu = cpu_support_needed()
+    # Megatron-Bridge's own DDP wrapper creates CUDA streams; on CPU the modules are wrapped here.
+    model = provider.provide_distributed_model(
+        ddp_config=ddp_config,
+        wrap_with_ddp=ddp_config is not None and not on_cpu,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+    )
+    if ddp_config is not None and on_cpu:
+        model = _wrap_ddp_on_cpu(model, ddp_config)
+    return model
+
+
+def _wrap_ddp_on_cpu(
+    model: list[MegatronModule], ddp_config: DistributedDataParallelConfig
+) -> list[MegatronModule]:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.utils import get_model_config
+
+    return [
+        DistributedDataParallel(config=get_model_config(module), ddp_config=ddp_config, module=module)
+        for module in model
+    ]
+
+
+def hf_vocab_size(model: list[MegatronModule]) -> int:
+    """The checkpoint's vocabulary size (Megatron pads its embedding and output layer beyond it)."""
+    from megatron.core.utils import get_model_config
+
+    return int(get_model_config(model[0]).vocab_size)
+
+
+def forward_logits(
+    model: list[MegatronModule],
+    *,
+    input_ids: torch.Tensor,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next-token logits of the policy for a batch of prompts, as the HF processor produces them.
+
+    Args:
+        input_ids: ``[B, S]`` token ids with the processor's video/image placeholder tokens;
+            sequences are causal, so right padding does not change earlier positions.
+        pixel_values_videos: ``[video patches, C * temporal_patch * patch * patch]``, all videos of
+            the batch concatenated; ``None`` when there is no video.
+        video_grid_thw: ``[videos, 3]`` patch grid (frames / temporal patch, height, width).
+        second_per_grid_ts: ``[videos]`` seconds per temporal grid step, which scales the temporal
+            RoPE positions; pass the processor's value (``None`` means 1.0 s, transformers' default).
+        pixel_values: image patches, like ``pixel_values_videos``; ``None`` when there is no image.
+        image_grid_thw: ``[images, 3]`` patch grid of the images.
+
+    Returns:
+        ``[B, S, V]`` float logits, ``V`` the checkpoint's vocabulary size (padding sliced off).
+        Gradients flow when called with grad enabled. Multimodal RoPE positions are computed by
+        the model from ``input_ids`` and the grids. The single-stage model (no pipelining) only.
+    """
+    if len(model) != 1:
+        raise ValueError(f"forward_logits: expects one model chunk (no virtual pipeline), got {len(model)}")
+    _require_runtime("forward_logits")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"forward_logits: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
+        )
+    device = next(model[0].parameters()).device
+    multimodal = {
+        "pixel_values_videos": pixel_values_videos,
+        "video_grid_thw": video_grid_thw,
+        "second_per_grid_ts": second_per_grid_ts,
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+    }
+    kwargs = {name: t.to(device) for name, t in multimodal.items() if t is not None}
+    logits = model[0](input_ids=input_ids.to(device), position_ids=None, attention_mask=None, **kwargs)
+    return logits[..., : hf_vocab_size(model)]

@@ -5,7 +5,10 @@ Modules:
 * :mod:`.te_standin`: import ``megatron.bridge`` where Transformer Engine is not installed;
 * :mod:`.cpu_support`: run megatron-core on a host without CUDA (a no-op with CUDA);
 * :mod:`.attention`: a ``scaled_dot_product_attention`` core attention for the local layer spec;
-* :mod:`.model`: build the policy from an HF checkpoint (``AutoBridge``) and compute its logits.
+* :mod:`.model`: build the policy from an HF checkpoint (``AutoBridge``) and compute its logits;
+* :mod:`.logprobs`: per-token log-probabilities from (vocabulary-parallel) logits;
+* :mod:`.batch`: policy samples and their collation into right-padded micro-batches;
+* :mod:`.policy`: the trainable policy (logprobs, training step, HF export, checkpoints).
 
 Importing this package imports neither megatron-core nor Megatron-Bridge.
 """

@@ -1,14 +1,16 @@
 """Run megatron-core on a host without CUDA (tests and the embedded CPU demo).
 
 megatron-core 0.19 assumes CUDA in many places: ``torch.cuda.current_device()`` when building
-rotary embeddings and attention buffers, the CUDA RNG tracker's ``fork()`` around dropout,
+rotary embeddings and attention buffers, ``torch.cuda.current_stream()`` in DDP's gradient
+reduction, the CUDA RNG tracker's ``fork()`` around dropout,
 ``torch.zeros(..., device="cuda")`` in the pipeline schedules, ``torch.tensor(..., device="cuda")``
 and ``Tensor.cuda()`` in the optimizer, and an assertion on ``torch.cuda.FloatTensor`` in gradient
 clipping. This module holds the adjustments that make the model build,
 forward, backward, schedule and optimizer step run on CPU with world size 1:
 
 * :func:`cpu_execution`, held for as long as Megatron code runs:
-  ``torch.cuda.current_device()`` returns ``"cpu"``; Megatron's RNG tracker is the no-op
+  ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.current_stream()`` returns
+  the CPU stream (whose event waits are no-ops); Megatron's RNG tracker is the no-op
   inference tracker (dropout then draws from torch's default CPU generator, which is exact for
   tensor-parallel size 1); and a :class:`~torch.overrides.TorchFunctionMode` creates tensors asked
   for on ``device="cuda"`` on the CPU and makes ``Tensor.cuda()`` return the tensor itself (the
@@ -97,10 +99,11 @@ def cpu_execution() -> Iterator[bool]:
         nothing was changed.
 
     Inside the block ``torch.cuda.current_device()`` returns ``"cpu"``,
+    ``torch.cuda.current_stream()`` returns ``torch.cpu.current_stream()``,
     ``megatron.core.tensor_parallel.random`` holds the no-op RNG tracker
     (``initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)``), and, in this thread,
     ``device="cuda"`` tensor creation goes to the CPU and ``Tensor.cuda()`` is a no-op. On exit all
-    three are restored to what they were, including a tracker that existed before. Nesting is
+    of them are restored to what they were, including a tracker that existed before. Nesting is
     allowed.
     """
     if not cpu_support_needed():
@@ -109,15 +112,18 @@ def cpu_execution() -> Iterator[bool]:
     from megatron.core.tensor_parallel import random as mcore_random
 
     saved_current_device = torch.cuda.current_device
+    saved_current_stream = torch.cuda.current_stream
     saved_tracker = mcore_random._CUDA_RNG_STATE_TRACKER
     saved_tracker_initialized = mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     torch.cuda.current_device = _cpu_current_device
+    torch.cuda.current_stream = torch.cpu.current_stream
     try:
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         with _CudaTensorsOnCpu():
             yield True
     finally:
         torch.cuda.current_device = saved_current_device
+        torch.cuda.current_stream = saved_current_stream
         mcore_random._CUDA_RNG_STATE_TRACKER = saved_tracker
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker_initialized
 

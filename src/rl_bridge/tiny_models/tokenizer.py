@@ -1,0 +1,129 @@
+"""A small byte-level BPE tokenizer trained locally, with a model family's special tokens.
+
+Real video-language checkpoints ship tokenizers with about 150,000 entries; a tiny model trained
+with reinforcement learning on a CPU learns far faster over a few hundred. The tokenizer here is
+trained with ``tokenizers`` on a fixed English corpus (the words of the synthetic video tasks and
+of the chat templates), so the same settings always give the same ``tokenizer.json``. Any text,
+including bytes outside the corpus, still encodes: the byte alphabet is always part of the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from importlib import resources
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+__all__ = ["BYTE_ALPHABET_SIZE", "CORPUS", "build_tokenizer", "load_chat_template"]
+
+#: Number of single-byte tokens every byte-level BPE vocabulary starts with.
+BYTE_ALPHABET_SIZE = 256
+
+_WORDS = (
+    "red green blue yellow orange purple pink brown black white gray cyan magenta "
+    "zero one two three four five six seven eight nine ten eleven twelve "
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 20 30 32 64 100 "
+    "yes no true false left right up down top bottom middle center first second third last "
+    "before after during start end begin beginning finish early late "
+    "frame frames video videos clip clips image images picture second seconds time "
+    "color colour colors shape shapes square circle triangle dot ball box line stripe "
+    "moves moving moved stays still static fast slow bigger smaller appears disappears "
+    "how many which what when where who why is are was were the a an of in on at to from "
+    "count counts number order ordered sequence changes change same different "
+    "answer answers question watch look see shows shown show tool call result "
+    "system user assistant tool You are a helpful assistant. Answer with one word. "
+)
+
+#: The fixed training text: task vocabulary, chat-template words and short sentences.
+CORPUS: tuple[str, ...] = (
+    _WORDS,
+    "You are a helpful assistant.",
+    "What color is the square in the video? Answer with one word.",
+    "Which color appears first in the clip? The answer is red.",
+    "How many frames show a circle? The answer is three.",
+    "Does the ball move left or right? It moves left.",
+    "Watch the second clip and tell me what changes.",
+    "Call the tool to look at another clip, then answer the question.",
+    "The video shows a blue square on a black background for two seconds.",
+    "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds:",
+    '<tool_call>\n{"name": "watch", "arguments": {"clip": 2}}\n</tool_call>',
+    "<tool_response>\n</tool_response>",
+    "<think>\n</think>",
+)
+
+
+def load_chat_template(name: str) -> str:
+    """The Jinja chat template ``chat_templates/<name>.jinja`` shipped with this package."""
+    path = resources.files(__package__).joinpath("chat_templates", f"{name}.jinja")
+    if not path.is_file():
+        raise FileNotFoundError(f"no chat template named {name!r} (looked for {path})")
+    return path.read_text(encoding="utf-8")
+
+
+def build_tokenizer(
+    *,
+    bpe_vocab_size: int,
+    special_tokens: Sequence[str],
+    chat_template: str,
+    roles: Mapping[str, str],
+    extra_special_tokens: Mapping[str, str] | None = None,
+    model_max_length: int = 32768,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on :data:`CORPUS` and wrap it as a ``PreTrainedTokenizerFast``.
+
+    The regular vocabulary gets ids ``0 .. bpe_vocab_size - 1`` (the byte alphabet first, then
+    merges); ``special_tokens`` follow in order, as in the real checkpoints, so the full vocabulary
+    size is ``bpe_vocab_size + len(special_tokens)``.
+
+    Args:
+        bpe_vocab_size: Size of the regular (non-special) vocabulary, at least
+            :data:`BYTE_ALPHABET_SIZE`. Training stops early, with a smaller vocabulary, if the
+            corpus has no more pairs to merge; that is an error here, so a size always means that size.
+        special_tokens: Added tokens, never split and never merged; ids assigned in this order.
+        chat_template: Jinja chat template stored with the tokenizer.
+        roles: Which special token plays which role: keys among ``bos_token``, ``eos_token``,
+            ``pad_token``, ``unk_token``; values must be in ``special_tokens``.
+        extra_special_tokens: Named special tokens exposed as tokenizer attributes
+            (e.g. ``{"video_token": "<|video_pad|>"}``); values must be in ``special_tokens``.
+        model_max_length: The longest sequence, in tokens, the tokenizer reports as supported.
+
+    Raises:
+        ValueError: ``bpe_vocab_size`` is below the byte alphabet or more than the corpus can
+            produce, or a role names a token missing from ``special_tokens``.
+    """
+    if bpe_vocab_size < BYTE_ALPHABET_SIZE:
+        raise ValueError(
+            f"bpe_vocab_size={bpe_vocab_size} is smaller than the byte alphabet ({BYTE_ALPHABET_SIZE})"
+        )
+    named = {**roles, **(extra_special_tokens or {})}
+    missing = sorted(f"{key}={tok!r}" for key, tok in named.items() if tok not in special_tokens)
+    if missing:
+        raise ValueError(f"tokens named for roles are not in special_tokens: {', '.join(missing)}")
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab_size,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    if backend.get_vocab_size() != bpe_vocab_size:
+        raise ValueError(
+            f"bpe_vocab_size={bpe_vocab_size} is more than the tokenizer corpus supports "
+            f"(training stopped at {backend.get_vocab_size()} tokens)"
+        )
+
+    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in special_tokens])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+        chat_template=chat_template,
+        extra_special_tokens=dict(extra_special_tokens or {}),
+        **roles,
+    )

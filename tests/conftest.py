@@ -13,4 +13,5 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.vllm",
     "tests.fixtures.gym",
+    "tests.fixtures.gym_video",
 ]

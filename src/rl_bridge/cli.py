@@ -56,6 +56,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok") else 1
 
 
+def _cmd_gym_dataset(args: argparse.Namespace) -> int:
+    from gym_video_env.datasets import main as datasets_main
+
+    return datasets_main(args.rest)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from rl_bridge.doctor import run_checks
 
@@ -95,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--log-dir", type=Path, default=Path("runs/serve-vllm"))
+
+    p = add(
+        "gym-dataset",
+        _cmd_gym_dataset,
+        "Gym video datasets: convert (Video-R1 / NExT-QA / generic JSONL), validate, generate.",
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of `python -m gym_video_env.datasets`")
 
     p = add("doctor", _cmd_doctor, "Check the environments: versions, plugin discovery, Gym interpreter.")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -8,7 +8,10 @@ Where a part's media may be, by key (exactly one per part):
 - ``path``: a local file, relative to the media root or absolute;
 - ``frames_manifest`` (``input_video`` only): a local cached-frame manifest, resolved like ``path``;
 - ``video_url`` / ``video`` (``input_video``) or ``image_url`` (``input_image``): a URL, given as a
-  string or as ``{"url": ...}``: ``file://`` (a local file), ``data:`` (inline) or ``http(s)://``.
+  string or as ``{"url": ...}``: ``file://`` (a local file), ``data:`` (inline) or ``http(s)://``;
+  a reference without a scheme (``clips/a.mp4``) is a local file, resolved like ``path``. Gym's own
+  request schema accepts only these keys, so datasets use a schemeless reference to stay portable
+  across machines (the media root moves, the rows do not change).
 
 Every local file must resolve (symlinks followed) to an existing file inside
 :attr:`MediaSettings.media_root <gym_video_env.hookspecs.MediaSettings.media_root>`.
@@ -97,7 +100,13 @@ def _url_ref(url: str, key: str) -> MediaRef:
         return MediaRef("data", url, key)
     if scheme in ("http", "https"):
         return MediaRef("remote", url, key)
-    raise MediaError(_shorten(url), f"unsupported URL scheme {scheme!r}; use file://, data: or http(s)://")
+    if not scheme:
+        return MediaRef("file", url, key)
+    raise MediaError(
+        _shorten(url),
+        f"unsupported URL scheme {scheme!r}; use file://, data:, http(s):// or a path relative to the "
+        "media root",
+    )
 
 
 def resolve_local_media(path: str, settings: MediaSettings) -> Path:

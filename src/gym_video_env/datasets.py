@@ -1,0 +1,423 @@
+"""Video-QA datasets as Gym rows: ``convert`` from common formats, ``validate``, ``generate``.
+
+``python -m gym_video_env.datasets convert --format FORMAT INPUT OUTPUT --media-root DIR``
+    Writes one Gym row per record (the ``video_mcqa`` row shape: ``responses_create_params`` with
+    an ``input_video`` part and the question, ``options``, ``answer``). Formats:
+
+    - ``video-r1``: a JSON list of Video-R1 records (``problem``, ``options`` as ``["A. text", ...]``,
+      ``solution`` as ``<answer>B</answer>``, ``path``; records whose ``data_type`` is not
+      ``video`` are errors);
+    - ``nextqa``: NExT-QA CSV, or JSONL with the same keys (``video``, ``question``, ``a0``..``a4``,
+      ``answer`` as the index of the correct option, ``qid``); the video file is
+      ``--video-template`` (default ``{video}.mp4``) filled in with the record's fields;
+    - ``generic``: JSONL with ``prompt``, ``video`` and ``answer``, optionally ``options`` (a
+      ``{letter: text}`` object or a list of texts, lettered A, B...) and ``id``.
+
+    Video paths are written relative to the media root (relative input paths are taken relative
+    to it too); a video outside the media root is an error.
+
+``python -m gym_video_env.datasets validate ROWS --media-root DIR [--no-decode]``
+    Checks every row: its shape, each media part (confined to the media root, within the size
+    limits, and, unless ``--no-decode``, that the video or image decodes), and that ``answer`` is
+    one of the ``options`` letters.
+
+``python -m gym_video_env.datasets generate {video_mcqa,video_segments} OUTPUT --media-root DIR``
+    Writes synthetic clips under the media root and their rows (see :mod:`gym_video_env.environments`).
+
+``convert`` and ``validate`` report every bad record with its line number (the 1-based line of
+the input file; for a JSON list, the 1-based record number) and its reason, and exit with status
+1 when there was any: a bad record is never dropped silently. ``convert`` still writes the good
+ones. Both show a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import io
+import json
+import re
+import sys
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import av
+from PIL import Image
+from tqdm import tqdm
+
+from gym_video_env.environments import video_mcqa_rows, video_segments_rows, write_rows_jsonl
+from gym_video_env.grading import BOXED_INSTRUCTION
+from gym_video_env.handlers import MEDIA_PART_TYPES, VIDEO_PART_TYPE, media_ref, resolve_local_media
+from gym_video_env.hookspecs import MediaError, MediaSettings
+from gym_video_env.plugins import get_plugin_manager
+
+__all__ = [
+    "FORMATS",
+    "RowError",
+    "convert_records",
+    "main",
+    "read_records",
+    "validate_row",
+    "validate_rows",
+]
+
+FORMATS: Final = ("video-r1", "nextqa", "generic")
+_LETTERS: Final = "ABCDEFGHIJ"
+_VIDEO_R1_OPTION = re.compile(r"^\s*\(?([A-Z])[.):]\s*(.*)$", re.DOTALL)
+_VIDEO_R1_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class RowError:
+    """One bad record: where it is and why it is bad."""
+
+    line: int
+    """1-based line of the input file (for a JSON list: 1-based record number)."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+def read_records(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """``(line, record)`` for each record of ``path`` in format ``fmt``; unparsable ones as :class:`RowError`.
+
+    Raises:
+        ValueError: a ``video-r1`` file that is not a JSON list.
+    """
+    if fmt == "video-r1":
+        records = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(records, list):
+            raise ValueError(
+                f"{path}: a Video-R1 file is a JSON list of records, got {type(records).__name__}"
+            )
+        for number, record in enumerate(records, start=1):
+            yield (
+                number,
+                record if isinstance(record, dict) else RowError(number, "record is not a JSON object"),
+            )
+    elif fmt == "nextqa" and path.suffix.lower() == ".csv":
+        with path.open(encoding="utf-8", newline="") as handle:
+            # The header is line 1; DictReader counts physical lines read so far.
+            reader = csv.DictReader(handle)
+            for record in reader:
+                yield reader.line_num, record
+    else:
+        with path.open(encoding="utf-8") as handle:
+            yield from _jsonl_records(handle)
+
+
+def _jsonl_records(handle: TextIO) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    for number, line in enumerate(handle, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            yield number, RowError(number, f"invalid JSON: {error.msg} (column {error.colno})")
+            continue
+        yield number, record if isinstance(record, dict) else RowError(number, "not a JSON object")
+
+
+# --- convert -----------------------------------------------------------------------------------------
+
+
+def convert_records(
+    records: Iterator[tuple[int, dict[str, Any] | RowError]],
+    fmt: str,
+    *,
+    media_root: Path,
+    video_template: str = "{video}.mp4",
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[RowError]]:
+    """Gym rows for the good records and a :class:`RowError` for each bad one, in input order."""
+    converters: dict[
+        str, Callable[[dict[str, Any]], tuple[str, str, dict[str, str] | None, str, str | None]]
+    ] = {
+        "video-r1": _from_video_r1,
+        "nextqa": lambda record: _from_nextqa(record, video_template),
+        "generic": _from_generic,
+    }
+    if fmt not in converters:
+        raise ValueError(f"unknown format {fmt!r}; supported formats are {', '.join(FORMATS)}")
+    rows: list[dict[str, Any]] = []
+    errors: list[RowError] = []
+    for line, record in tqdm(
+        records, desc=f"convert {fmt}", unit="row", disable=not progress, file=sys.stderr
+    ):
+        if isinstance(record, RowError):
+            errors.append(record)
+            continue
+        try:
+            video, question, options, answer, record_id = converters[fmt](record)
+            reference = _media_reference(video, media_root)
+            rows.append(_row(reference, question, options, answer, record_id or f"{fmt}-{line}"))
+        except (KeyError, ValueError, TypeError, MediaError) as error:
+            reason = f"missing field {error.args[0]!r}" if isinstance(error, KeyError) else str(error)
+            errors.append(RowError(line, reason))
+    return rows, errors
+
+
+def _from_video_r1(record: dict[str, Any]) -> tuple[str, str, dict[str, str] | None, str, str | None]:
+    if record.get("data_type", "video") != "video":
+        raise ValueError(f"data_type is {record['data_type']!r}; only video records convert")
+    options = None
+    if record.get("options"):
+        options = {}
+        for text in record["options"]:
+            match = _VIDEO_R1_OPTION.match(str(text))
+            if not match:
+                raise ValueError(f"option {text!r} does not start with a letter label such as 'A.'")
+            options[match.group(1)] = match.group(2).strip()
+    solution = str(record["solution"])
+    match = _VIDEO_R1_ANSWER.search(solution)
+    answer = (match.group(1) if match else solution).strip()
+    record_id = record.get("problem_id")
+    return (
+        str(record["path"]),
+        str(record["problem"]),
+        options,
+        answer,
+        None if record_id is None else str(record_id),
+    )
+
+
+def _from_nextqa(
+    record: dict[str, Any], video_template: str
+) -> tuple[str, str, dict[str, str] | None, str, str | None]:
+    texts = [record[f"a{index}"] for index in range(5) if record.get(f"a{index}") not in (None, "")]
+    if len(texts) < 2:
+        raise ValueError("needs at least two options a0, a1, ...")
+    answer_index = int(record["answer"])
+    if not 0 <= answer_index < len(texts):
+        raise ValueError(f"answer index {answer_index} is not one of the {len(texts)} options")
+    options = {_LETTERS[index]: str(text) for index, text in enumerate(texts)}
+    qid = record.get("qid")
+    record_id = f"{record['video']}-{qid}" if qid not in (None, "") else None
+    return (
+        video_template.format(**record),
+        str(record["question"]),
+        options,
+        _LETTERS[answer_index],
+        record_id,
+    )
+
+
+def _from_generic(record: dict[str, Any]) -> tuple[str, str, dict[str, str] | None, str, str | None]:
+    options = record.get("options")
+    if isinstance(options, list):
+        options = {_LETTERS[index]: str(text) for index, text in enumerate(options)}
+    elif options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be an object or a list, got {type(options).__name__}")
+    record_id = record.get("id")
+    return (
+        str(record["video"]),
+        str(record["prompt"]),
+        options,
+        str(record["answer"]),
+        (None if record_id is None else str(record_id)),
+    )
+
+
+def _media_reference(video: str, media_root: Path) -> str:
+    """``video`` as a reference relative to the media root (URLs other than ``file://`` unchanged)."""
+    scheme = urllib.parse.urlsplit(video).scheme.lower()
+    if scheme in ("data", "http", "https"):
+        return video
+    path = resolve_local_media(
+        media_ref({"type": VIDEO_PART_TYPE, "video_url": video}).value, _settings(media_root)
+    )
+    return path.relative_to(media_root.resolve()).as_posix()
+
+
+def _row(
+    video: str, question: str, options: dict[str, str] | None, answer: str, record_id: str
+) -> dict[str, Any]:
+    lines = [question.strip()]
+    if options is not None:
+        if answer not in options:
+            raise ValueError(f"answer {answer!r} is not one of the option letters {sorted(options)}")
+        lines += [f"{letter}. {text}" for letter, text in options.items()]
+        lines.append(BOXED_INSTRUCTION)
+    content = [{"type": "input_video", "video_url": video}, {"type": "input_text", "text": "\n".join(lines)}]
+    row: dict[str, Any] = {
+        "responses_create_params": {"input": [{"role": "user", "content": content}]},
+        "task_id": record_id,
+        "answer": answer,
+    }
+    if options is not None:
+        row["options"] = options
+    return row
+
+
+# --- validate ---------------------------------------------------------------------------------------
+
+
+def validate_row(row: Any, settings: MediaSettings, *, decode: bool = True) -> list[str]:
+    """Every problem of one Gym row (empty when it is valid)."""
+    if not isinstance(row, dict):
+        return [f"a row is a JSON object, got {type(row).__name__}"]
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        return ["missing responses_create_params (an object)"]
+    items = params.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        return ["responses_create_params.input must be a string or a non-empty list of items"]
+    problems: list[str] = []
+    pm = get_plugin_manager()
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or "role" not in item:
+            problems.append(f"input[{index}]: not a message (an object with a role)")
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            problems.append(f"input[{index}].content: must be a string or a list of parts")
+            continue
+        for part_index, part in enumerate(content):
+            where = f"input[{index}].content[{part_index}]"
+            if not isinstance(part, dict) or "type" not in part:
+                problems.append(f"{where}: not a content part (an object with a type)")
+            elif part["type"] in MEDIA_PART_TYPES:
+                try:
+                    pm.hook.validate_media(part=part, settings=settings)
+                    if decode:
+                        _check_decodes(part, settings)
+                except MediaError as error:
+                    problems.append(f"{where}: {error}")
+    options, answer = row.get("options"), row.get("answer")
+    if options is not None:
+        if not isinstance(options, dict) or not options:
+            problems.append("options must be a non-empty object (letter -> text)")
+        elif answer not in options:
+            problems.append(f"answer {answer!r} is not one of the option letters {sorted(options)}")
+    return problems
+
+
+def validate_rows(
+    path: Path, settings: MediaSettings, *, decode: bool = True, progress: bool = True
+) -> tuple[int, list[RowError]]:
+    """The number of rows of the JSONL file ``path`` and an error per problem, with line numbers."""
+    count = 0
+    errors: list[RowError] = []
+    with path.open(encoding="utf-8") as handle:
+        for line, record in tqdm(
+            _jsonl_records(handle), desc="validate", unit="row", disable=not progress, file=sys.stderr
+        ):
+            count += 1
+            if isinstance(record, RowError):
+                errors.append(record)
+                continue
+            errors += [RowError(line, problem) for problem in validate_row(record, settings, decode=decode)]
+    return count, errors
+
+
+def _check_decodes(part: dict[str, Any], settings: MediaSettings) -> None:
+    """Decode the first frame of a video (or the image); remote media and frame manifests are skipped."""
+    ref = media_ref(part)
+    if ref.kind == "remote" or ref.is_manifest:
+        return
+    if ref.kind == "file":
+        source: Path | io.BytesIO = resolve_local_media(ref.value, settings)
+    else:
+        header, _, payload = ref.value.partition(",")
+        data = (
+            base64.b64decode(payload)
+            if header.endswith(";base64")
+            else urllib.parse.unquote_to_bytes(payload)
+        )
+        source = io.BytesIO(data)
+    label = ref.value if ref.kind == "file" else f"{ref.value[:40]}..."
+    try:
+        if part["type"] == VIDEO_PART_TYPE:
+            with av.open(source) as container:
+                if not container.streams.video:
+                    raise MediaError(label, "has no video stream")
+                next(container.decode(video=0))
+        else:
+            with Image.open(source) as image:
+                image.load()
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, StopIteration, OSError, ValueError) as error:
+        raise MediaError(label, f"does not decode: {error or type(error).__name__}") from error
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def _settings(media_root: Path) -> MediaSettings:
+    return MediaSettings(media_root=media_root)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gym_video_env.datasets", description="Video-QA datasets as NeMo Gym rows."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="convert a video-QA dataset to Gym rows (JSONL)")
+    convert.add_argument("--format", required=True, choices=FORMATS)
+    convert.add_argument("input", type=Path)
+    convert.add_argument("output", type=Path)
+    convert.add_argument("--media-root", required=True, type=Path, help="directory the videos must be in")
+    convert.add_argument(
+        "--video-template", default="{video}.mp4", help="nextqa: video file from the record's fields"
+    )
+    validate = commands.add_parser("validate", help="check Gym rows (JSONL) and their media")
+    validate.add_argument("rows", type=Path)
+    validate.add_argument("--media-root", required=True, type=Path)
+    validate.add_argument("--max-video-bytes", type=int, default=None)
+    validate.add_argument("--no-decode", action="store_true", help="skip decoding each video and image")
+    generate = commands.add_parser("generate", help="write synthetic clips and their rows")
+    generate.add_argument("environment", choices=("video_mcqa", "video_segments"))
+    generate.add_argument("output", type=Path)
+    generate.add_argument("--media-root", required=True, type=Path)
+    generate.add_argument("-n", type=int, default=16, help="number of rows")
+    generate.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (1 when any record was bad)."""
+    args = _parser().parse_args(argv)
+    media_root = args.media_root.resolve()
+    if args.command == "generate":
+        make = video_mcqa_rows if args.environment == "video_mcqa" else video_segments_rows
+        out = write_rows_jsonl(make(media_root, args.n, seed=args.seed), args.output)
+        print(f"wrote {args.n} rows to {out}, clips under {media_root}")
+        return 0
+    if not media_root.is_dir():
+        print(f"error: --media-root {args.media_root} is not a directory", file=sys.stderr)
+        return 2
+    if args.command == "convert":
+        rows, errors = convert_records(
+            read_records(args.input, args.format),
+            args.format,
+            media_root=media_root,
+            video_template=args.video_template,
+        )
+        write_rows_jsonl(rows, args.output)
+        print(f"wrote {len(rows)} rows to {args.output}; {len(errors)} records could not be converted")
+    else:
+        settings = MediaSettings(media_root=media_root, max_video_bytes=args.max_video_bytes)
+        count, errors = validate_rows(args.rows, settings, decode=not args.no_decode)
+        bad_lines = len({error.line for error in errors})
+        print(f"{count} rows, {count - bad_lines} valid, {bad_lines} invalid")
+    source = args.input if args.command == "convert" else args.rows
+    for error in errors:
+        print(f"{source}:{error.line}: {error.reason}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Media in one Gym Responses request: moved out of tool outputs, checked, and rewritten for Gym.
+
+:func:`prepare_request_media` runs on the raw ``/v1/responses`` body, before Gym validates it:
+
+1. a ``function_call_output`` carrying media either becomes the tool output plus a user message
+   with the media (policy ``"relocate"``, through the ``relocate_tool_output_media`` hook) or
+   fails the request (policy ``"reject"``);
+2. every media part of a user, system or developer message is checked (``validate_media``) and
+   converted (``convert_media_part``) by the installed handlers;
+3. each converted part is written back as the canonical Responses part Gym accepts and converts
+   as it is: ``{"type": "input_video", "video_url": {"url": ...}}`` or ``{"type": "input_image",
+   "image_url": ..., "detail": ...}``. Sources Gym does not know (``path``, ``frames_manifest``)
+   thereby become the ``file://`` URL of the confined file.
+
+The same rules apply to the items of a trajectory an agent records (:func:`relocate_tool_outputs`).
+This module does not import NeMo Gym.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+import pluggy
+
+from gym_video_env.handlers import MEDIA_PART_TYPES
+from gym_video_env.hookspecs import MediaError, MediaSettings
+from gym_video_env.plugins import get_plugin_manager
+
+__all__ = [
+    "TOOL_OUTPUT_MEDIA_POLICIES",
+    "MediaRequestError",
+    "ToolOutputMediaPolicy",
+    "count_media_parts",
+    "prepare_request_media",
+    "relocate_tool_outputs",
+]
+
+ToolOutputMediaPolicy = Literal["relocate", "reject"]
+"""What happens to media inside a tool output: ``"relocate"`` moves them into a user message that
+directly follows the tool output; ``"reject"`` fails the request."""
+TOOL_OUTPUT_MEDIA_POLICIES: tuple[str, ...] = get_args(ToolOutputMediaPolicy)
+
+# Message roles whose content Gym converts part by part (assistant content is text only).
+_MEDIA_ROLES = frozenset({"user", "system", "developer"})
+
+
+class MediaRequestError(ValueError):
+    """A request's media were rejected. ``location`` names the part, e.g. ``input[2].content[1]``."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        super().__init__(f"{location}: {reason}")
+        self.location = location
+        self.reason = reason
+
+
+def prepare_request_media(
+    body: dict[str, Any],
+    settings: MediaSettings,
+    *,
+    tool_output_media: ToolOutputMediaPolicy = "relocate",
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> dict[str, Any]:
+    """A copy of the raw Responses request ``body`` with its media relocated, checked and canonical.
+
+    A string ``input`` has no media and is kept. Items are otherwise copied only where they change.
+
+    Args:
+        body: the JSON body of a ``/v1/responses`` request.
+        settings: media root and size limits for the checks.
+        tool_output_media: see :data:`ToolOutputMediaPolicy`.
+        plugin_manager: the media handlers; ``None`` means :func:`get_plugin_manager`.
+
+    Raises:
+        MediaRequestError: a part failed a check or could not be converted (the handler's
+            :class:`MediaError` text is the reason), or a tool output held media under ``"reject"``.
+    """
+    if tool_output_media not in TOOL_OUTPUT_MEDIA_POLICIES:
+        raise ValueError(
+            f"tool_output_media must be one of {', '.join(TOOL_OUTPUT_MEDIA_POLICIES)}, "
+            f"got {tool_output_media!r}"
+        )
+    items = body.get("input")
+    if not isinstance(items, list):
+        return dict(body)
+    pm = plugin_manager or get_plugin_manager()
+    prepared: list[Any] = []
+    for index, item in enumerate(items):
+        location = f"input[{index}]"
+        if _tool_output_media(item):
+            if tool_output_media == "reject":
+                raise MediaRequestError(
+                    location,
+                    "the tool output (function_call_output) carries media, and this server's tool-output "
+                    "media policy is 'reject'; return media in a user message, or set "
+                    "tool_output_media: relocate",
+                )
+            replacement = pm.hook.relocate_tool_output_media(item=item, settings=settings)
+            if replacement is None:
+                raise MediaRequestError(location, "no media handler moved the media out of this tool output")
+            prepared += [_canonical_item(new, f"{location}(relocated)", settings, pm) for new in replacement]
+        else:
+            prepared.append(_canonical_item(item, location, settings, pm))
+    return {**body, "input": prepared}
+
+
+def relocate_tool_outputs(
+    items: Iterable[dict[str, Any]],
+    settings: MediaSettings,
+    *,
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> list[dict[str, Any]]:
+    """``items`` with every tool output that carries media replaced as the relocation hook says.
+
+    For agents recording a trajectory: the result is what the model server sends on, so the
+    recorded items and the model's prompt agree. Media are not checked or converted here.
+    """
+    pm = plugin_manager or get_plugin_manager()
+    relocated: list[dict[str, Any]] = []
+    for item in items:
+        replacement = pm.hook.relocate_tool_output_media(item=item, settings=settings)
+        relocated += [item] if replacement is None else replacement
+    return relocated
+
+
+def count_media_parts(items: Iterable[Any], part_type: str) -> int:
+    """How many ``part_type`` parts (e.g. ``"input_video"``) messages and tool outputs of ``items`` hold."""
+    count = 0
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        for key in ("content", "output"):
+            parts = item.get(key)
+            if isinstance(parts, list):
+                count += sum(1 for part in parts if isinstance(part, dict) and part.get("type") == part_type)
+    return count
+
+
+def _tool_output_media(item: Any) -> bool:
+    if not isinstance(item, dict) or item.get("type") != "function_call_output":
+        return False
+    output = item.get("output")
+    return isinstance(output, list) and any(
+        isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES for part in output
+    )
+
+
+def _canonical_item(item: Any, location: str, settings: MediaSettings, pm: pluggy.PluginManager) -> Any:
+    """``item`` with its media parts checked and rewritten; other items unchanged."""
+    if not isinstance(item, dict) or item.get("role") not in _MEDIA_ROLES:
+        return item
+    content = item.get("content")
+    if not isinstance(content, list):
+        return item
+    parts = [
+        _canonical_part(part, f"{location}.content[{index}]", settings, pm)
+        for index, part in enumerate(content)
+    ]
+    return {**item, "content": parts}
+
+
+def _canonical_part(part: Any, location: str, settings: MediaSettings, pm: pluggy.PluginManager) -> Any:
+    if not isinstance(part, dict) or part.get("type") not in MEDIA_PART_TYPES:
+        return part
+    try:
+        pm.hook.validate_media(part=part, settings=settings)
+        converted = pm.hook.convert_media_part(part=part, settings=settings)
+    except MediaError as error:
+        raise MediaRequestError(location, str(error)) from error
+    if converted is None:
+        raise MediaRequestError(location, f"no media handler converts {part['type']!r} parts")
+    return _responses_part(converted, location)
+
+
+def _responses_part(chat_part: dict[str, Any], location: str) -> dict[str, Any]:
+    """The Responses part that Gym's own converter turns into ``chat_part``."""
+    match chat_part.get("type"):
+        case "video_url":
+            return {"type": "input_video", "video_url": {"url": chat_part["video_url"]["url"]}}
+        case "image_url":
+            image_url = chat_part["image_url"]
+            part: dict[str, Any] = {"type": "input_image", "image_url": image_url["url"]}
+            part["detail"] = image_url.get("detail", "auto")
+            return part
+        case other:
+            raise MediaRequestError(
+                location,
+                f"a media handler converted the part to chat type {other!r}; Gym requests can carry "
+                "'video_url' and 'image_url' parts only",
+            )

@@ -1,0 +1,138 @@
+"""``video_segments``: the model watches the segments of a video through a tool, then answers.
+
+The prompt shows no video. The tool ``watch_segment`` (``POST /watch_segment {"segment": k}``)
+returns segment ``k``'s clip as content parts (a caption and an ``input_video`` part), which
+``video_tools_agent`` puts into the trajectory; the media move out of the tool output into a user
+message that follows it, so the next model turn sees the clip. When the model answers without
+calling the tool, the agent asks ``/next_segment`` (its ``observation_route``), which returns the
+first segment not yet seen (or nothing once all were seen), so every trajectory gets to see every
+segment: several clips per trajectory, returned by the environment in later turns.
+
+Rows (see :func:`gym_video_env.environments.video_segments_rows`) carry ``segments`` (clip
+references, relative to the media root, in segment order), ``options`` and ``answer``. The
+session seeded by ``/seed_session`` holds the row's segments; ``/verify`` grades the final
+``\\boxed{X}`` as ``video_mcqa`` does and reports which segments were watched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from fastapi import Request
+from nemo_gym.base_resources_server import (
+    BaseResourcesServerConfig,
+    BaseRunRequest,
+    BaseSeedSessionResponse,
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+    ReverifyMode,
+    SimpleResourcesServer,
+)
+from nemo_gym.server_utils import SESSION_ID_KEY
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+from gym_video_env.environments import segment_tool_output
+from gym_video_env.grading import final_assistant_text, grade_choice
+
+
+class VideoSegmentsConfig(BaseResourcesServerConfig):
+    """No fields of its own: the segments come with each row."""
+
+    REVERIFY_MODE: ClassVar[ReverifyMode] = ReverifyMode.STATELESS
+
+
+class VideoSegmentsRunRequest(BaseRunRequest):
+    """A ``video_segments`` row; other row fields are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    segments: list[str]
+    """Clip references (relative to the media root, or URLs), in segment order."""
+    options: dict[str, str]
+    answer: str
+
+
+class VideoSegmentsVerifyRequest(VideoSegmentsRunRequest, BaseVerifyRequest):
+    pass
+
+
+class VideoSegmentsVerifyResponse(BaseVerifyResponse):
+    model_config = ConfigDict(extra="allow")
+
+    extracted_answer: str | None
+    watched_segments: list[int]
+    """Segments shown in this session (``watch_segment`` or ``/next_segment``), in order, 1-based."""
+
+
+class WatchSegmentRequest(BaseModel):
+    segment: int
+    """Segment number, 1-based."""
+
+
+class ToolContentOutput(BaseModel):
+    """A tool result made of Responses content parts (``input_text``, ``input_video``...)."""
+
+    output: list[dict[str, Any]]
+
+
+class VideoSegmentsResourcesServer(SimpleResourcesServer):
+    ray_enabled = False
+    config: VideoSegmentsConfig
+    # Session id -> the row's segments and the segments watched so far.
+    _segments: dict[str, list[str]] = PrivateAttr(default_factory=dict)
+    _watched: dict[str, list[int]] = PrivateAttr(default_factory=dict)
+
+    def setup_webserver(self):
+        app = super().setup_webserver()
+        app.post("/watch_segment")(self.watch_segment)
+        app.post("/next_segment")(self.next_segment)
+        return app
+
+    async def seed_session(self, request: Request, body: VideoSegmentsRunRequest) -> BaseSeedSessionResponse:
+        session_id = request.session[SESSION_ID_KEY]
+        self._segments[session_id] = list(body.segments)
+        self._watched[session_id] = []
+        return BaseSeedSessionResponse()
+
+    async def watch_segment(self, request: Request, body: WatchSegmentRequest) -> ToolContentOutput:
+        """Segment ``body.segment``'s clip; an out-of-range number gets a text the model can act on."""
+        session_id = request.session[SESSION_ID_KEY]
+        segments = self._segments.get(session_id)
+        if segments is None:
+            return ToolContentOutput(
+                output=[{"type": "input_text", "text": "No video in this session: it was not seeded."}]
+            )
+        try:
+            output = segment_tool_output(segments, body.segment)
+        except ValueError as error:
+            return ToolContentOutput(output=[{"type": "input_text", "text": f"Invalid call: {error}."}])
+        self._watched[session_id].append(body.segment)
+        return ToolContentOutput(output=output)
+
+    async def next_segment(self, request: Request) -> ToolContentOutput:
+        """The first segment not watched yet; an empty ``output`` once every segment was watched."""
+        session_id = request.session[SESSION_ID_KEY]
+        segments = self._segments.get(session_id, [])
+        watched = self._watched.setdefault(session_id, [])
+        unseen = [number for number in range(1, len(segments) + 1) if number not in watched]
+        if not unseen:
+            return ToolContentOutput(output=[])
+        watched.append(unseen[0])
+        return ToolContentOutput(output=segment_tool_output(segments, unseen[0]))
+
+    async def verify(self, request: Request, body: VideoSegmentsVerifyRequest) -> VideoSegmentsVerifyResponse:
+        session_id = request.session.get(SESSION_ID_KEY)
+        watched = self._watched.pop(session_id, []) if session_id is not None else []
+        self._segments.pop(session_id, None)
+        output = body.response.model_dump(mode="json")["output"]
+        grade = grade_choice(final_assistant_text(output), body.answer, body.options)
+        return VideoSegmentsVerifyResponse(
+            **body.model_dump(),
+            reward=grade.reward,
+            extracted_answer=grade.extracted,
+            watched_segments=watched,
+        )
+
+
+if __name__ == "__main__":
+    VideoSegmentsResourcesServer.run_webserver()

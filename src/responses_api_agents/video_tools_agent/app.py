@@ -1,0 +1,197 @@
+"""``video_tools_agent``: a tool loop whose tools may return video, which the next model turn sees.
+
+Like Gym's ``simple_agent`` (model call, tool calls against the resources server, repeat until
+the model answers without a tool call or ``max_steps`` model calls were made, then ``/verify``),
+with two differences:
+
+- a tool route may answer ``{"output": [content parts]}`` (``input_text``, ``input_video``,
+  ``input_image``); the parts become the ``function_call_output``, and its media move into a user
+  message directly after it (the ``relocate_tool_output_media`` hook of ``gym_video_env``). The
+  trajectory holds exactly the items the model was prompted with, so a trainer can rebuild each
+  turn's media. Any other answer is passed on as text, as ``simple_agent`` does;
+- with ``observation_route`` set, a model turn without tool calls does not end the loop at once:
+  the agent asks that resources-server route for the next observation (``{"output": [content
+  parts]}``, e.g. the next clip of a video) and adds it as a user message, as Gym's
+  ``image_tools_agent`` does with crops. An empty ``output`` ends the loop. Environments push new
+  clips this way whether or not the model calls tools, also after a turn cut at
+  ``max_output_tokens``.
+
+The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
+vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request, Response
+from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
+from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, Body, SimpleResponsesAPIAgent
+from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
+from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.server_utils import get_response_json, raise_for_status
+from pydantic import ConfigDict, PositiveInt
+
+from gym_video_env import MediaSettings
+from gym_video_env.request_media import relocate_tool_outputs
+
+
+class VideoToolsAgentConfig(BaseResponsesAPIAgentConfig):
+    resources_server: ResourcesServerRef
+    model_server: ModelServerRef
+    max_steps: PositiveInt = 8
+    """Most model calls per trajectory."""
+    observation_route: str | None = None
+    """Resources-server route (e.g. ``/next_segment``) asked for the next observation after a model
+    turn without tool calls. ``None``: such a turn ends the trajectory."""
+
+
+class VideoToolsAgentRunRequest(BaseRunRequest):
+    model_config = ConfigDict(extra="allow")
+
+
+class VideoToolsAgentVerifyResponse(BaseVerifyResponse):
+    model_config = ConfigDict(extra="allow")
+
+
+class VideoToolsAgent(SimpleResponsesAPIAgent):
+    ray_enabled = False
+    config: VideoToolsAgentConfig
+
+    async def responses(
+        self,
+        request: Request,
+        response: Response,
+        body: NeMoGymResponseCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
+    ) -> NeMoGymResponse:
+        result, model_cookies = await self._episode(
+            body.model_dump(mode="json", exclude_unset=True),
+            model_cookies=request.cookies,
+            resources_cookies=request.cookies,
+        )
+        for key, value in model_cookies.items():
+            response.set_cookie(key, value)
+        return NeMoGymResponse.model_validate(result)
+
+    async def run(self, request: Request, body: VideoToolsAgentRunRequest) -> VideoToolsAgentVerifyResponse:
+        row = body.model_dump(mode="json")
+        seeded = await self.server_client.post(
+            server_name=self.config.resources_server.name,
+            url_path="/seed_session",
+            json=row,
+            cookies=request.cookies,
+        )
+        await raise_for_status(seeded)
+        resources_cookies = _cookies(seeded)
+        result, _ = await self._episode(
+            body.responses_create_params.model_dump(mode="json", exclude_unset=True),
+            model_cookies=request.cookies,
+            resources_cookies=resources_cookies,
+        )
+        verified = await self.server_client.post(
+            server_name=self.config.resources_server.name,
+            url_path="/verify",
+            json={**row, "response": result},
+            cookies=resources_cookies,
+        )
+        await raise_for_status(verified)
+        return VideoToolsAgentVerifyResponse.model_validate(await get_response_json(verified))
+
+    async def _episode(
+        self, params: dict[str, Any], *, model_cookies: Any, resources_cookies: dict[str, str]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Run the loop for the request ``params``; the last model response with the whole trajectory."""
+        prompt = params["input"]
+        prompt_items = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        trajectory: list[dict[str, Any]] = []
+        usage: dict[str, int] = {}
+        last: dict[str, Any] | None = None
+        for _ in range(self.config.max_steps):
+            request_body = {**params, "input": prompt_items + trajectory}
+            answer = await self.server_client.post(
+                server_name=self.config.model_server.name,
+                url_path="/v1/responses",
+                json=request_body,
+                cookies=model_cookies,
+            )
+            await raise_for_status(answer)
+            model_cookies = _cookies(answer)
+            last = await get_response_json(answer)
+            trajectory += last["output"]
+            _add_usage(usage, last.get("usage"))
+            calls = [item for item in last["output"] if item.get("type") == "function_call"]
+            if calls:
+                outputs = [await self._call_tool(call, resources_cookies) for call in calls]
+                trajectory += relocate_tool_outputs(outputs, MediaSettings())
+                continue
+            observation = await self._observation(resources_cookies)
+            if not observation:
+                break
+            trajectory.append({"type": "message", "role": "user", "content": observation})
+        assert last is not None  # max_steps >= 1
+        # The last response's usage shape, with the token counts of all turns.
+        total_usage = {**last["usage"], **usage} if last.get("usage") else None
+        return {**last, "output": trajectory, "usage": total_usage}, model_cookies
+
+    async def _observation(self, cookies: dict[str, str]) -> list[dict[str, Any]]:
+        """The next observation's content parts from ``observation_route`` (none when it is unset)."""
+        if self.config.observation_route is None:
+            return []
+        answer = await self.server_client.post(
+            server_name=self.config.resources_server.name,
+            url_path=self.config.observation_route,
+            json={},
+            cookies=cookies,
+        )
+        await raise_for_status(answer)
+        cookies.update(_cookies(answer))
+        payload = await get_response_json(answer)
+        output = payload.get("output") if isinstance(payload, dict) else None
+        if not isinstance(output, list):
+            raise TypeError(
+                f"{self.config.resources_server.name}{self.config.observation_route} answered {payload!r}; "
+                'an observation route must answer {"output": [content parts]}'
+            )
+        return output
+
+    async def _call_tool(self, call: dict[str, Any], cookies: dict[str, str]) -> dict[str, Any]:
+        """The ``function_call_output`` of one call: the tool's content parts, or its answer as text."""
+        try:
+            arguments = json.loads(call["arguments"])
+        except json.JSONDecodeError as error:
+            return _tool_output(call, f"Invalid tool call arguments: {error}")
+        answer = await self.server_client.post(
+            server_name=self.config.resources_server.name,
+            url_path=f"/{call['name']}",
+            json=arguments,
+            cookies=cookies,
+        )
+        cookies.update(_cookies(answer))
+        text = (await answer.content.read()).decode()
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError:
+            return _tool_output(call, text)
+        if answer.ok and isinstance(payload, dict) and isinstance(payload.get("output"), list):
+            return _tool_output(call, payload["output"])
+        return _tool_output(call, text)
+
+
+def _tool_output(call: dict[str, Any], output: str | list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call["call_id"], "output": output}
+
+
+def _cookies(response: Any) -> dict[str, str]:
+    return {str(name): str(getattr(morsel, "value", morsel)) for name, morsel in response.cookies.items()}
+
+
+def _add_usage(total: dict[str, int], usage: dict[str, Any] | None) -> None:
+    """Add a response's token counts (``input_tokens``, ``output_tokens``, ``total_tokens``) to ``total``."""
+    for key in ("input_tokens", "output_tokens", "total_tokens"):
+        if usage and isinstance(usage.get(key), int):
+            total[key] = total.get(key, 0) + usage[key]
+
+
+if __name__ == "__main__":
+    VideoToolsAgent.run_webserver()

@@ -1,0 +1,144 @@
+"""``video_vllm_model``: Gym's vLLM model server with video handling from ``gym_video_env``.
+
+Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the video flags
+(documented in ``configs/video_vllm_model.yaml``). On top of the stock server:
+
+- ``/v1/responses`` bodies are prepared before Gym validates them
+  (:func:`gym_video_env.request_media.prepare_request_media`): media in tool outputs are moved
+  into a following user message (or rejected, by policy), every media part is checked against the
+  media root and size limits and converted by the installed media handlers (pluggy hooks of
+  ``gym_video_env``). A rejected part gives HTTP 400 whose message names the part and the reason;
+  the server keeps serving.
+- Requests to vLLM carry the video sampling contract as per-request ``media_io_kwargs`` when
+  ``send_media_io_kwargs`` is on (vLLM needs ``--trust-request-mm-kwargs``), plus any configured
+  ``mm_processor_kwargs``; the ``/tokenize`` fallback for prompt token ids gets the same media kwargs.
+- Responses carry the contract (canonical JSON) in ``metadata["video_sampling_contract"]``, so a
+  trainer knows how the frames of a trajectory were sampled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from nemo_gym.base_responses_api_model import Body
+from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
+from pydantic import PositiveInt, PrivateAttr, field_validator
+from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+
+from gym_video_env import MediaSettings
+from gym_video_env.request_media import MediaRequestError, ToolOutputMediaPolicy, prepare_request_media
+from vllm_video_plugin.contract import VideoSamplingContract
+
+CONTRACT_METADATA_KEY = "video_sampling_contract"
+
+
+class VideoVLLMModelConfig(VLLMModelConfig):
+    """``vllm_model``'s config plus the video flags."""
+
+    media_root: str | None = None
+    """Directory every local media file (``path``, ``file://`` URL, frame manifest) must resolve
+    into. ``None``: local files are rejected. vLLM's ``--allowed-local-media-path`` must cover it."""
+    max_video_bytes: PositiveInt | None = None
+    """Largest video file or inline video, in bytes. ``None``: no limit."""
+    max_image_bytes: PositiveInt | None = None
+    """Largest image file or inline image, in bytes. ``None``: no limit."""
+    allow_remote_media_urls: bool = False
+    """Pass ``http(s)://`` media URLs on to vLLM (which fetches them)."""
+    tool_output_media: ToolOutputMediaPolicy = "relocate"
+    """Media inside a ``function_call_output``: ``relocate`` into a user message right after it,
+    or ``reject`` the request."""
+    video_sampling_contract: dict[str, Any] | None = None
+    """Fields of a ``vllm_video_plugin.contract.VideoSamplingContract``. ``None``: vLLM's own
+    sampling applies and responses carry no contract."""
+    send_media_io_kwargs: bool = False
+    """Send the contract to vLLM on every request as ``media_io_kwargs`` (vLLM must run with
+    ``--trust-request-mm-kwargs``). Off: vLLM's ``--media-io-kwargs`` must hold the same contract."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Sent to vLLM on every request as ``mm_processor_kwargs`` (needs ``--trust-request-mm-kwargs``)."""
+
+    @field_validator("video_sampling_contract")
+    @classmethod
+    def _check_contract(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            VideoSamplingContract.model_validate(value)
+        return value
+
+    @field_validator("media_root")
+    @classmethod
+    def _check_media_root(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"media_root {value!r} is not a directory")
+        return value
+
+
+class VideoVLLMModel(VLLMModel):
+    """The model server; see the module docstring."""
+
+    config: VideoVLLMModelConfig
+
+    # vLLM's /tokenize must sample frames as the generation did, or the prompt token ids differ.
+    _TOKENIZE_CHAT_FIELDS: ClassVar[tuple[str, ...]] = (*VLLMModel._TOKENIZE_CHAT_FIELDS, "media_io_kwargs")
+    _media_settings: MediaSettings = PrivateAttr()
+    _contract: VideoSamplingContract | None = PrivateAttr(default=None)
+
+    def model_post_init(self, context: Any) -> None:
+        config = self.config
+        self._media_settings = MediaSettings(
+            media_root=Path(config.media_root) if config.media_root is not None else None,
+            max_video_bytes=config.max_video_bytes,
+            max_image_bytes=config.max_image_bytes,
+            allow_remote_urls=config.allow_remote_media_urls,
+        )
+        if config.video_sampling_contract is not None:
+            self._contract = VideoSamplingContract.model_validate(config.video_sampling_contract)
+        super().model_post_init(context)
+
+    async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
+        """Prepare the media of the raw body, then serve it as the stock server does."""
+        try:
+            body = prepare_request_media(
+                body, self._media_settings, tool_output_media=self.config.tool_output_media
+            )
+        except MediaRequestError as error:
+            return JSONResponse(
+                status_code=400,
+                content={
+                    "error": {
+                        "message": str(error),
+                        "type": "invalid_request_error",
+                        "param": error.location,
+                        "code": "invalid_media",
+                    }
+                },
+            )
+        return await super().responses_dispatch(request, body)
+
+    async def responses(
+        self,
+        request: Request,
+        body: NeMoGymResponseCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
+    ) -> NeMoGymResponse:
+        response = await super().responses(request, body)
+        if self._contract is not None:
+            response.metadata = {
+                **(response.metadata or {}),
+                CONTRACT_METADATA_KEY: self._contract.canonical_json(),
+            }
+        return response
+
+    def _preprocess_chat_completion_create_params(
+        self, request: Request, body_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        body_dict = super()._preprocess_chat_completion_create_params(request, body_dict)
+        if self._contract is not None and self.config.send_media_io_kwargs:
+            body_dict["media_io_kwargs"] = {"video": self._contract.to_media_io_kwargs()}
+        if self.config.mm_processor_kwargs:
+            body_dict["mm_processor_kwargs"] = dict(self.config.mm_processor_kwargs)
+        return body_dict
+
+
+if __name__ == "__main__":
+    VideoVLLMModel.run_webserver()

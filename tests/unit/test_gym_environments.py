@@ -1,0 +1,111 @@
+"""Grading of \\boxed{X} answers and the task rows of the video environments (video_mcqa, video_segments)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import pytest
+
+from gym_video_env.environments import (
+    read_rows_jsonl,
+    segment_tool_output,
+    video_mcqa_rows,
+    video_segments_rows,
+    write_rows_jsonl,
+)
+from gym_video_env.grading import extract_boxed, final_assistant_text, grade_choice
+from gym_video_env.synthetic import classify_colour
+from gym_video_env.synthetic.frames import SATURATED_COLOURS
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{B}", "B"),
+        ("\\boxed{A} then \\boxed{c}", "C"),
+        ("\\boxed{\\text{D}}", "D"),
+        ("\\boxed{(B).}", "B"),
+        ("\\boxed{B and C}", None),
+        ("\\boxed{Z}", None),
+        ("the answer is B", None),
+        ("\\boxed{B", None),
+    ],
+)
+def test_grade_choice_reads_the_last_boxed_letter(text: str, expected: str | None) -> None:
+    grade = grade_choice(text, "B", "ABCD")
+    assert grade.extracted == expected
+    assert grade.reward == (1.0 if expected == "B" else 0.0)
+
+
+def test_grade_choice_rejects_an_answer_outside_the_options() -> None:
+    with pytest.raises(ValueError, match="answer 'E' is not one of the option letters"):
+        grade_choice("\\boxed{E}", "E", "ABCD")
+
+
+def test_extract_boxed_balances_nested_braces() -> None:
+    assert extract_boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
+
+
+def test_final_assistant_text_takes_the_last_assistant_message() -> None:
+    output = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "first"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "clip"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "\\boxed{A}"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "x"},
+    ]
+    assert final_assistant_text(output) == "\\boxed{A}"
+    assert final_assistant_text([]) == ""
+
+
+def test_video_mcqa_rows_reference_clips_under_the_media_root(tmp_path: Path) -> None:
+    rows = video_mcqa_rows(tmp_path, 3, seed=1, tasks=("colour", "count"))
+    assert [row["task"] for row in rows] == ["colour", "count", "colour"]
+    for row in rows:
+        (message,) = row["responses_create_params"]["input"]
+        video, text = message["content"]
+        assert video["type"] == "input_video" and (tmp_path / video["video_url"]).is_file()
+        assert "\\boxed{}" in text["text"] and row["answer"] in row["options"]
+        assert f"{row['answer']}. {row['options'][row['answer']]}" in text["text"]
+
+
+def test_video_segments_rows_answer_is_the_decoded_colour_sequence(tmp_path: Path) -> None:
+    (row,) = video_segments_rows(tmp_path, 1, seed=3, num_segments=3)
+    params = row["responses_create_params"]
+    assert [tool["name"] for tool in params["tools"]] == ["watch_segment"]
+    assert params["tools"][0]["parameters"]["properties"]["segment"]["enum"] == [1, 2, 3]
+    # The prompt shows no video: the segments come from the environment.
+    assert all(part["type"] == "input_text" for part in params["input"][0]["content"])
+    colours = []
+    for segment in row["segments"]:
+        with av.open(tmp_path / segment) as container:
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        colours.append(next(c for c in map(classify_colour, frames) if c != "black"))
+    assert row["options"][row["answer"]] == ", ".join(colours)
+    assert len(set(row["options"].values())) == len(row["options"]) == 4
+    assert all(colour in SATURATED_COLOURS for colour in colours)
+
+
+def test_rows_are_deterministic_and_round_trip_jsonl(tmp_path: Path) -> None:
+    first = video_segments_rows(tmp_path / "a", 2, seed=5)
+    second = video_segments_rows(tmp_path / "b", 2, seed=5)
+    assert first == second
+    assert read_rows_jsonl(write_rows_jsonl(first, tmp_path / "rows.jsonl")) == first
+
+
+def test_segment_tool_output_is_a_caption_and_the_clip() -> None:
+    assert segment_tool_output(["s/1.mp4", "s/2.mp4"], 2) == [
+        {"type": "input_text", "text": "Segment 2 of 2:"},
+        {"type": "input_video", "video_url": "s/2.mp4"},
+    ]
+    with pytest.raises(ValueError, match="segment must be between 1 and 2, got 3"):
+        segment_tool_output(["s/1.mp4", "s/2.mp4"], 3)
+
+
+def test_row_generators_reject_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        video_mcqa_rows(tmp_path, 0, seed=0)
+    with pytest.raises(ValueError, match="num_options must be between 2 and"):
+        video_segments_rows(tmp_path, 1, seed=0, num_segments=1, num_options=7)

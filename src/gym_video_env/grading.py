@@ -8,12 +8,27 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["BOXED_INSTRUCTION", "Grade", "extract_boxed", "final_assistant_text", "grade_choice"]
+__all__ = [
+    "BOXED_INSTRUCTION",
+    "LETTER_INSTRUCTION",
+    "AnswerFormat",
+    "Grade",
+    "extract_boxed",
+    "final_assistant_text",
+    "grade_choice",
+]
 
 BOXED_INSTRUCTION = "Answer with the letter of the correct option inside \\boxed{}, for example \\boxed{A}."
 """The answer format every video environment asks for."""
+
+LETTER_INSTRUCTION = "Answer with the letter of the correct option."
+"""The instruction for ``answer_format="letter"`` (e.g. generation restricted to the option letters)."""
+
+AnswerFormat = Literal["boxed", "letter"]
+"""Where the answer is read: the last ``\\boxed{X}`` (``"boxed"``), or the whole text being a bare
+option letter (``"letter"``, e.g. when sampling is restricted to the letter tokens)."""
 
 _BOXED = "\\boxed{"
 # A bare option letter, optionally wrapped as (B), B., B) or \text{B}, with nothing else.
@@ -47,13 +62,20 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def grade_choice(text: str, answer: str, options: Iterable[str]) -> Grade:
-    """Grade ``text`` against the correct letter ``answer``; ``options`` are the valid letters."""
+def grade_choice(
+    text: str, answer: str, options: Iterable[str], *, answer_format: AnswerFormat = "boxed"
+) -> Grade:
+    """Grade ``text`` against the correct letter ``answer``; ``options`` are the valid letters.
+
+    ``answer_format`` says where the letter is read (see :data:`AnswerFormat`).
+    """
     letters = {letter.upper() for letter in options}
     if answer.upper() not in letters:
         raise ValueError(f"answer {answer!r} is not one of the option letters {sorted(letters)}")
-    boxed = extract_boxed(text)
-    match = _LETTER.match(boxed) if boxed is not None else None
+    if answer_format not in ("boxed", "letter"):
+        raise ValueError(f"answer_format must be 'boxed' or 'letter', got {answer_format!r}")
+    source = extract_boxed(text) if answer_format == "boxed" else text
+    match = _LETTER.match(source) if source is not None else None
     extracted = match.group(1).upper() if match else None
     if extracted not in letters:
         extracted = None

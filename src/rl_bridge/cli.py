@@ -56,6 +56,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok") else 1
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rl_bridge.loop.config import load_recipe
+    from rl_bridge.loop.sync import run_sync
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    summary = run_sync(recipe)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _cmd_gym_dataset(args: argparse.Namespace) -> int:
     from gym_video_env.datasets import main as datasets_main
 
@@ -84,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="where logs and results go")
     p.add_argument("--num-prompts", type=int, default=8, help="synthetic video prompts to roll out")
     p.add_argument("--seed", type=int, default=0)
+
+    p = add("train", _cmd_train, "Train with sync GRPO (default: the tiny CPU recipe, everything started locally).")
+    p.add_argument(
+        "-r", "--recipe", type=Path, default=None, help="recipe YAML (default: the built-in tiny CPU recipe)"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=5")
 
     p = add("tiny-model", _cmd_tiny_model, "Build (or reuse from cache) a tiny random-weight VLM checkpoint.")
     p.add_argument("family", choices=["qwen2_5_vl", "qwen3_vl", "nemotron_vl"])

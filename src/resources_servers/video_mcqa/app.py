@@ -20,13 +20,16 @@ from nemo_gym.base_resources_server import (
 )
 from pydantic import ConfigDict
 
-from gym_video_env.grading import final_assistant_text, grade_choice
+from gym_video_env.grading import AnswerFormat, final_assistant_text, grade_choice
 
 
 class VideoMCQAConfig(BaseResourcesServerConfig):
-    """No fields of its own: grading depends on the row only."""
+    """Grading depends on the row and on where the answer letter is read."""
 
     REVERIFY_MODE: ClassVar[ReverifyMode] = ReverifyMode.STATELESS
+
+    answer_format: AnswerFormat = "boxed"
+    """``"boxed"``: the last ``\\boxed{X}``; ``"letter"``: the whole final answer is the letter."""
 
 
 class VideoMCQARunRequest(BaseRunRequest):
@@ -57,7 +60,9 @@ class VideoMCQAResourcesServer(SimpleResourcesServer):
 
     async def verify(self, body: VideoMCQAVerifyRequest) -> VideoMCQAVerifyResponse:
         output = body.response.model_dump(mode="json")["output"]
-        grade = grade_choice(final_assistant_text(output), body.answer, body.options)
+        grade = grade_choice(
+            final_assistant_text(output), body.answer, body.options, answer_format=self.config.answer_format
+        )
         return VideoMCQAVerifyResponse(
             **body.model_dump(), reward=grade.reward, extracted_answer=grade.extracted
         )

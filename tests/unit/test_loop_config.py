@@ -1,0 +1,64 @@
+"""The training recipe: YAML + dotted overrides, unknown keys and bad combinations rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from rl_bridge.loop.config import Recipe, apply_overrides, load_recipe
+from rl_bridge.paths import project_root
+
+pytestmark = pytest.mark.unit
+
+TINY = project_root() / "recipes" / "tiny_cpu_sync.yaml"
+
+
+def test_tiny_recipe_is_the_embedded_default() -> None:
+    assert load_recipe(TINY) == Recipe() == load_recipe(None)
+
+
+def test_overrides_are_parsed_as_yaml_and_nest() -> None:
+    recipe = load_recipe(TINY, ["train.learning_rate=1e-3", "model.spec.text_num_layers=1", "task.name=count"])
+    assert recipe.train.learning_rate == 1e-3
+    assert recipe.model.spec == {"text_num_layers": 1}
+    assert recipe.task.name == "count"
+    assert recipe.train.loss.kl_coef == 0.0
+
+
+@pytest.mark.parametrize("override", ["train.learnin_rate=1", "nosuch=1", "train.loss.kl=0.1"])
+def test_unknown_keys_are_rejected(override: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        load_recipe(TINY, [override])
+
+
+def test_unknown_key_in_file_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("rollout:\n  groupsize: 4\n")
+    with pytest.raises(pydantic.ValidationError, match="rollout.groupsize"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("override", ["train.steps", "=3", "train..steps=3"])
+def test_malformed_overrides_are_rejected(override: str) -> None:
+    with pytest.raises(ValueError, match="dotted.key=value"):
+        apply_overrides({}, [override])
+
+
+def test_override_cannot_descend_into_a_scalar() -> None:
+    with pytest.raises(ValueError, match="train.steps is 3, not a section"):
+        apply_overrides({"train": {"steps": 3}}, ["train.steps.x=1"])
+
+
+def test_letter_answers_need_one_output_token() -> None:
+    with pytest.raises(pydantic.ValidationError, match="max_output_tokens=1"):
+        load_recipe(None, ["rollout.max_output_tokens=4"])
+    with pytest.raises(pydantic.ValidationError, match="restrict_to_options needs"):
+        load_recipe(None, ["task.answer_format=boxed", "rollout.max_output_tokens=8"])
+    assert load_recipe(None, ["task.answer_format=boxed", "rollout.max_output_tokens=8", "rollout.restrict_to_options=false"])
+
+
+def test_group_size_of_one_is_rejected() -> None:
+    with pytest.raises(pydantic.ValidationError, match="group_size"):
+        load_recipe(None, ["rollout.group_size=1"])

@@ -1,10 +1,10 @@
 # The two commands a user needs; both set up the environments first (idempotent, seconds when done).
-.PHONY: demo test setup lock
+.PHONY: train test setup lock
 
-demo: setup  ## run the embedded default on CPU (tiny model, synthetic video task)
-	envs/main/.venv/bin/video-grpo demo
+train: setup  ## the main job: GRPO on the embedded default (tiny model, synthetic video task, all on CPU)
+	envs/main/.venv/bin/video-grpo train
 
-test: setup  ## run every test: unit, integration with real services, slow
+test: setup  ## every test: unit, integration with real services, slow
 	envs/main/.venv/bin/python -m pytest
 
 setup:

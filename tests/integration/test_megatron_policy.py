@@ -26,8 +26,9 @@ from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron import cpu_support
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig, TrainStepMetrics
-from rl_bridge.policy_inputs import Qwen25VLVideoInputs
+from rl_bridge.processors import ProcessedMedia, load_processor
 from rl_bridge.services.process import free_port
+from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = pytest.mark.integration
 
@@ -69,12 +70,14 @@ def samples(tiny_qwen25vl: Path, videos: dict[str, Path]) -> list[PolicySample]:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_qwen25vl)
-    video_inputs = Qwen25VLVideoInputs.from_checkpoint(tiny_qwen25vl)
+    media_processor = load_processor(tiny_qwen25vl)
+    decode_cache = DecodeCache()
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
     template = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = []
     for video_name, response, advantage in TRAJECTORIES:
-        video = video_inputs.video(videos[video_name])
+        frames = decode_cache.get_or_decode(videos[video_name].read_bytes(), media_processor.contract)
+        video = media_processor.process_video(frames.data, frames.sample)
         prompt = template.replace(processor.video_token, processor.video_token * video.num_placeholders)
         prompt_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         response_ids = processor.tokenizer(response + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -86,12 +89,10 @@ def samples(tiny_qwen25vl: Path, videos: dict[str, Path]) -> list[PolicySample]:
                 input_ids=input_ids,
                 target_mask=target_mask,
                 advantage=advantage,
-                pixel_values_videos=video.pixel_values_videos,
-                video_grid_thw=video.video_grid_thw,
-                second_per_grid_ts=video.second_per_grid_ts,
+                media=(video,),
             )
         )
-    grids = {tuple(s.video_grid_thw[0].tolist()) for s in out}
+    grids = {tuple(s.media[0].tensors["video_grid_thw"][0].tolist()) for s in out}
     assert len(grids) == 2, f"the two videos should have different grids, got {grids}"
     return out
 
@@ -108,9 +109,7 @@ def hf_logprobs(model_dir: Path, samples: list[PolicySample]) -> list[torch.Tens
         with torch.no_grad():
             logits = model(
                 input_ids=input_ids,
-                pixel_values_videos=sample.pixel_values_videos,
-                video_grid_thw=sample.video_grid_thw,
-                second_per_grid_ts=sample.second_per_grid_ts,
+                **sample.media[0].tensors,
                 mm_token_type_ids=(input_ids == video_token_id).long() * 2,
             ).logits[0]
         logprobs = torch.zeros(len(sample.input_ids))
@@ -357,8 +356,18 @@ def test_collate_pads_right_concatenates_media_and_checks_placeholders() -> None
         return PolicySample(
             input_ids=ids,
             target_mask=mask,
-            pixel_values_videos=torch.full((patches, 3), float(patches)),
-            video_grid_thw=torch.tensor([grid]),
+            media=(
+                ProcessedMedia(
+                    "video",
+                    {
+                        "pixel_values_videos": torch.full((patches, 3), float(patches)),
+                        "video_grid_thw": torch.tensor([grid]),
+                        "second_per_grid_ts": torch.ones(1),
+                    },
+                    9,
+                    (num_video_tokens,),
+                ),
+            ),
         )
 
     short, long = sample(2, [2, 2, 2], 1), sample(4, [1, 4, 4], 3)
@@ -372,7 +381,7 @@ def test_collate_pads_right_concatenates_media_and_checks_placeholders() -> None
     assert batch.old_logprobs is None
 
     broken = dataclasses.replace(long, input_ids=torch.tensor([1] + [9] * 3 + [2] * 4))
-    with pytest.raises(ValueError, match=r"sample 1 has 3 video placeholder tokens .* needs 4"):
+    with pytest.raises(ValueError, match=r"sample 1 has 3 video placeholder tokens .* need 4"):
         collate([short, broken], pad_token_id=0, media_tokens=media_tokens)
     with pytest.raises(ValueError, match="samples \\[0\\] have no old_logprobs"):
         collate(

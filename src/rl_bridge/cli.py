@@ -47,15 +47,6 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from rl_bridge.demo import DemoConfig, run_demo
-
-    config = DemoConfig(run_dir=args.run_dir, num_prompts=args.num_prompts, seed=args.seed)
-    summary = run_demo(config)
-    print(json.dumps(summary, indent=2))
-    return 0 if summary.get("ok") else 1
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     from rl_bridge.loop.config import load_recipe
     from rl_bridge.loop.sync import run_sync
@@ -89,11 +80,6 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(func=func)
         return p
-
-    p = add("demo", _cmd_demo, "Run the embedded default pipeline on CPU (tiny model, synthetic video task).")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="where logs and results go")
-    p.add_argument("--num-prompts", type=int, default=8, help="synthetic video prompts to roll out")
-    p.add_argument("--seed", type=int, default=0)
 
     p = add("train", _cmd_train, "Train with sync GRPO (default: the tiny CPU recipe, everything started locally).")
     p.add_argument(

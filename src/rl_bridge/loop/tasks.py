@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gym_video_env.environments import mcqa_row
 from gym_video_env.grading import BOXED_INSTRUCTION, LETTER_INSTRUCTION
 from gym_video_env.synthetic import ClipConfig, make_task_clip
 from rl_bridge.loop.config import TaskSection
@@ -55,17 +56,14 @@ def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir:
         options = dict(zip(_LETTERS, texts, strict=False))
         answer = next(letter for letter, text in options.items() if text == record.answer_text)
         prompt = "\n".join([record.question, *(f"{letter}. {text}" for letter, text in options.items()), instruction])
-        content = [
-            {"type": "input_video", "video_url": f"{subdir}/{record.video}"},
-            {"type": "input_text", "text": prompt},
-        ]
         rows.append(
-            {
-                "responses_create_params": {"input": [{"role": "user", "content": content}]},
-                "task_id": record.id,
-                "task": record.task,
-                "options": options,
-                "answer": answer,
-            }
+            mcqa_row(
+                video_url=f"{subdir}/{record.video}",
+                prompt=prompt,
+                task_id=record.id,
+                task=record.task,
+                options=options,
+                answer=answer,
+            )
         )
     return rows

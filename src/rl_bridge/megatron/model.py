@@ -153,7 +153,7 @@ def build_policy(
     layer_spec: LayerSpec = "auto",
     ddp_config: DistributedDataParallelConfig | None = None,
     recompute: Recompute = "none",
-    vision_attention: VisionAttention = "hf",
+    vision_attention: VisionAttention = "segment_batched",
 ) -> list[MegatronModule]:
     """Build the Megatron-Core policy from the HF checkpoint at ``hf_path``, weights loaded.
 

@@ -167,7 +167,7 @@ class PolicyConfig:
     """The language model's layer implementation (see :data:`.model.LayerSpec`)."""
     recompute: Recompute = "none"
     """Activation recomputation in training (see :data:`.model.Recompute`)."""
-    vision_attention: VisionAttention = "hf"
+    vision_attention: VisionAttention = "segment_batched"
     """The vision tower's attention core (see :data:`.model.VisionAttention`); ``segment_batched``
     is the same function with far fewer kernel launches (GPU)."""
 

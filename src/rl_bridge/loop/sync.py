@@ -74,23 +74,11 @@ def _letter_token_ids(model_dir: Path, letters: str) -> list[int]:
 
 
 def _gym_specs(recipe: Recipe, vllm: Any, media_root: Path, letter_ids: Sequence[int]) -> list[Any]:
-    from rl_bridge.services.gym_server import GymServerSpec
+    from rl_bridge.services.gym_server import GymServerSpec, video_model_server_spec
 
     extra_body = {"allowed_token_ids": list(letter_ids)} if recipe.rollout.restrict_to_options else None
-    model = GymServerSpec(
-        MODEL_SERVER,
-        "responses_api_models",
-        "video_vllm_model",
-        {
-            "base_url": vllm.openai_url,
-            "api_key": "unused",
-            "model": vllm.model_name,
-            "return_token_id_information": True,
-            "request_prompt_and_generation_token_ids": True,
-            "uses_reasoning_parser": False,
-            "media_root": media_root,
-            "extra_body": extra_body,
-        },
+    model = video_model_server_spec(
+        MODEL_SERVER, openai_url=vllm.openai_url, model=vllm.model_name, media_root=media_root, extra_body=extra_body
     )
     resources = GymServerSpec(
         RESOURCES_SERVER,

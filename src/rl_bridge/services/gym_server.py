@@ -37,6 +37,7 @@ __all__ = [
     "LOOPBACK",
     "GymConfig",
     "GymServerSpec",
+    "video_model_server_spec",
     "GymServerType",
     "GymServers",
     "resolve_gym_config",
@@ -88,6 +89,27 @@ class GymServerSpec:
     def ref(self) -> dict[str, str]:
         """The value another server's field takes to reference this server (e.g. ``resources_server``)."""
         return {"type": self.server_type, "name": self.name}
+
+
+def video_model_server_spec(
+    name: str, *, openai_url: str, model: str, media_root: str | Path, **fields: Any
+) -> GymServerSpec:
+    """This package's ``video_vllm_model`` in front of a vLLM OpenAI endpoint, set up for training.
+
+    Token ids and logprobs come back (``return_token_id_information``), the reasoning parser is
+    off, and media resolve under ``media_root``; ``fields`` add or override config fields (see the
+    server's ``configs/video_vllm_model.yaml``).
+    """
+    base = {
+        "base_url": openai_url,
+        "api_key": "unused",
+        "model": model,
+        "return_token_id_information": True,
+        "request_prompt_and_generation_token_ids": True,
+        "uses_reasoning_parser": False,
+        "media_root": media_root,
+    }
+    return GymServerSpec(name, "responses_api_models", "video_vllm_model", {**base, **fields})
 
 
 @dataclass(frozen=True)

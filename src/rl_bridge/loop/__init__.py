@@ -1,5 +1,6 @@
-"""GRPO training loops: the typed recipe (:mod:`.config`), the task rows (:mod:`.tasks`) and the
-synchronous controller (:mod:`.sync`)."""
+"""GRPO training loops: the typed recipe (:mod:`.config`), the task and its Gym servers
+(:mod:`.tasks`), where the roles run (:mod:`.roles`), the stages of a step (:mod:`.controller`),
+metrics and curves (:mod:`.metrics`) and the synchronous loop (:mod:`.sync`)."""
 
 from rl_bridge.loop.config import Recipe, load_recipe
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
@@ -20,7 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from gym_video_env.grading import AnswerFormat
 from rl_bridge.grpo import GRPOLossConfig
 
+if TYPE_CHECKING:
+    from rl_bridge.megatron.policy import PolicyConfig
+
 __all__ = [
+    "AsyncSection",
+    "ClusterSection",
     "ModelSection",
     "Recipe",
     "RolloutSection",
@@ -114,18 +119,64 @@ class ValidationSection(_Section):
     """End the run once validation accuracy reaches ``target_accuracy``."""
 
 
+class AsyncSection(_Section):
+    """Async GRPO (``mode: async``): a collector fills a replay buffer with complete groups while
+    the trainer trains on them (:mod:`rl_bridge.loop.async_grpo`).
+
+    A group's *age* is the number of weight versions (training steps) between the weights it was
+    dispatched with and the weights it is trained on.
+    """
+
+    max_age: PositiveInt = 1
+    """Oldest group the trainer consumes, in weight versions; older ones are evicted, counted and
+    their rows generated again with the current weights."""
+    buffer_groups: PositiveInt = 64
+    """Most groups buffered or being generated at once (at least ``rollout.prompts_per_step``);
+    the collector waits while the buffer is full."""
+    epochs: PositiveInt | None = None
+    """Passes over the training rows, each in a fresh seeded order; the run ends cleanly once
+    they are used up and the buffer is drained. ``None``: unbounded (``train.steps`` ends the
+    run)."""
+    checkpoint_every: NonNegativeInt = 0
+    """Write a resumable checkpoint (policy, buffer, data position, weight version) every this
+    many steps; 0: only at the end. ``video-grpo train --resume`` continues from the latest."""
+    refit_pause_mode: Literal["keep", "wait"] = "keep"
+    """What vLLM does with requests running during a refit: ``"keep"`` freezes them and they
+    continue on the new weights (vLLM's in-flight update); ``"wait"`` lets them finish first
+    (new requests queue meanwhile)."""
+
+
+class ClusterSection(_Section):
+    """Where the roles (vLLM server, Gym servers, policy workers) run."""
+
+    backend: Literal["local", "ray"] = "local"
+    """``"local"``: subprocesses and the policy in the controller's process on this host;
+    ``"ray"``: Ray actors (see :mod:`rl_bridge.loop.ray_roles`)."""
+    ray_address: str | None = None
+    """Address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``); ``None`` with
+    ``backend="ray"``: start a local Ray instance for the run."""
+
+
 class Recipe(_Section):
     """A whole training run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     run_dir: Path = Path("runs/tiny_cpu_sync")
     """Logs, TensorBoard events, curves, checkpoints; created if missing."""
     seed: int = 0
     """Seed of the step order and of vLLM's sampling."""
+    mode: Literal["sync", "async"] = "sync"
+    """``"sync"``: generate, then train, each step (:mod:`rl_bridge.loop.sync`); ``"async"``:
+    generate into a replay buffer while training (:mod:`rl_bridge.loop.async_grpo`)."""
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
+    """Async GRPO settings (used with ``mode: async``); the YAML key is ``async``."""
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -136,7 +187,24 @@ class Recipe(_Section):
             )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")
+        if self.async_.buffer_groups < self.rollout.prompts_per_step:
+            raise ValueError(
+                f"async.buffer_groups={self.async_.buffer_groups} cannot hold one step's "
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step} groups"
+            )
         return self
+
+    def policy_config(self) -> PolicyConfig:
+        """The Megatron policy's settings for this recipe (logprobs at temperature 1.0, the
+        temperature vLLM's raw logprobs are reported at)."""
+        from rl_bridge.megatron.policy import PolicyConfig
+
+        return PolicyConfig(
+            learning_rate=self.train.learning_rate,
+            weight_decay=self.train.weight_decay,
+            micro_batch_size=self.train.micro_batch_size,
+            temperature=1.0,
+        )
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Run metrics: scalars per step to TensorBoard and ``metrics.jsonl``, and the PNG curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["STAGES", "RunMetrics", "read_metrics", "write_curves"]
+
+#: The timed stages of a step, in order (``time/<stage>_s`` metrics).
+STAGES = ("rollout", "preprocess", "logprobs", "train", "refit", "validation")
+
+
+class RunMetrics:
+    """Scalars per step to TensorBoard and ``metrics.jsonl``; the history feeds the PNG curves."""
+
+    def __init__(self, run_dir: Path, *, append: bool = False) -> None:
+        """``append``: continue a resumed run's ``metrics.jsonl`` (its records are read into
+        :attr:`history`) instead of starting a new one."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = run_dir / "metrics.jsonl"
+        self.history: list[dict[str, float]] = read_metrics(path) if append and path.exists() else []
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.jsonl = path.open("a" if append else "w", encoding="utf-8")
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        record = {"step": float(step), **{k: float(v) for k, v in scalars.items()}}
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, float(value), step)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        self.history.append(record)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
+
+
+def _series(history: Sequence[Mapping[str, float]], name: str) -> tuple[list[float], list[float]]:
+    points = [(r["step"], r[name]) for r in history if name in r and math.isfinite(r[name])]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: float | None = None) -> Path:
+    """Draw the run's curves into one PNG: reward and validation accuracy, vLLM/trainer mismatch,
+    masked and failed rows, and the step time per stage (stacked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    ax.plot(*_series(history, "rollout/reward_mean"), label="train reward (sampled)")
+    ax.plot(*_series(history, "val/accuracy"), marker="o", label="held-out accuracy (greedy)")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle=":", label="chance")
+    ax.set(title="Reward", xlabel="step", ylim=(-0.02, 1.02))
+    ax.legend()
+    ax = axes[0][1]
+    for name in ("mismatch/token_mult_prob_error", "mismatch/seq_mult_prob_error_max"):
+        ax.plot(*_series(history, name), marker=".", label=name.removeprefix("mismatch/"))
+    ax.set(title="vLLM vs trainer probability error (1 = identical)", xlabel="step")
+    ax.legend()
+    ax = axes[1][0]
+    for name in ("preprocess/masked", "rollout/content_failed", "rollout/infra_failed", "rollout/retries"):
+        ax.plot(*_series(history, name), marker=".", label=name)
+    ax.set(title="Masked samples and failed rows", xlabel="step")
+    ax.legend()
+    ax = axes[1][1]
+    bottom: list[float] | None = None
+    for stage in STAGES:
+        steps, values = _series(history, f"time/{stage}_s")
+        if not steps:
+            continue
+        by_step = dict(zip(steps, values, strict=True))
+        all_steps = sorted({r["step"] for r in history if "time/rollout_s" in r or "time/validation_s" in r})
+        heights = [by_step.get(s, 0.0) for s in all_steps]
+        base = bottom if bottom is not None and len(bottom) == len(heights) else [0.0] * len(heights)
+        ax.bar(all_steps, heights, bottom=base, label=stage)
+        bottom = [b + h for b, h in zip(base, heights, strict=True)]
+    ax.set(title="Step time by stage", xlabel="step", ylabel="seconds")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """The records of a ``metrics.jsonl`` file, in order."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

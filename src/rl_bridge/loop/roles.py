@@ -1,0 +1,113 @@
+"""Where a run's roles live: the vLLM server, the Gym servers and the policy.
+
+The controller (:mod:`rl_bridge.loop.controller`) talks to the roles only through :class:`Roles`:
+URLs for the rollout side and a :class:`PolicyHandle` for the trainer. :func:`start_local_roles`
+starts everything on this host (vLLM and the Gym servers as subprocesses, the Megatron policy in
+this process, on CPU when there is no GPU); a Ray placement provides the same :class:`Roles` with
+actors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from rl_bridge.grpo import needs_reference
+from rl_bridge.loop.config import Recipe
+from rl_bridge.loop.tasks import TaskData
+
+if TYPE_CHECKING:
+    from rl_bridge.services.vllm_server import VLLMServerConfig
+
+__all__ = ["PolicyHandle", "Roles", "start_local_roles", "start_roles", "vllm_config"]
+
+
+class PolicyHandle(Protocol):
+    """The trainer's side of a run (:class:`rl_bridge.megatron.policy.MegatronPolicy` or a proxy)."""
+
+    def logprobs(self, batch: Sequence[Any]) -> list[torch.Tensor]: ...
+
+    def train_step(self, batch: Sequence[Any], loss_fn: Any) -> Any: ...
+
+    def save_hf_checkpoint(self, directory: str | Path) -> Path: ...
+
+    def save_checkpoint(self, directory: str | Path) -> Path: ...
+
+    def load_checkpoint(self, directory: str | Path) -> int: ...
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The started roles of one run."""
+
+    vllm_base_url: str
+    """vLLM's server root (``http://host:port``), for refits and weight-version checks."""
+    agent_url: str
+    """The Gym agent server whose ``/run`` produces one rollout."""
+    policy: PolicyHandle
+    reference: PolicyHandle | None
+    """The frozen reference policy; ``None`` unless the loss has a KL term."""
+
+
+def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
+    """The vLLM server of a run: fp32 (the trainer's dtype on CPU), dev mode for refits, the
+    run's media root as the allowed local media path."""
+    from rl_bridge.services.vllm_server import VLLMServerConfig
+
+    return VLLMServerConfig(
+        model=data.model_dir,
+        dtype="float32",
+        dev_mode=True,
+        seed=recipe.seed,
+        allowed_local_media_path=data.media_root,
+        startup_timeout_s=900,
+    )
+
+
+def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
+    """Start vLLM, the Gym servers and the policy on this host; ``stack`` stops them.
+
+    Raises:
+        rl_bridge.services.process.ServiceError: a server did not start.
+    """
+    from rl_bridge.megatron.cpu_support import cpu_execution, single_process_group
+    from rl_bridge.megatron.policy import MegatronPolicy
+    from rl_bridge.paths import project_root
+    from rl_bridge.services.gym_server import start_gym_servers
+    from rl_bridge.services.vllm_server import start_vllm_server
+
+    run_dir = recipe.run_dir.resolve()
+    vllm = stack.enter_context(
+        start_vllm_server(vllm_config(recipe, data), log_dir=run_dir / "logs" / "vllm")
+    )
+    specs, agent = data.gym_specs(recipe, openai_url=vllm.openai_url, model_name=vllm.model_name)
+    gym = stack.enter_context(
+        start_gym_servers(
+            specs, run_dir=run_dir / "logs" / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+        )
+    )
+    stack.enter_context(cpu_execution())
+    stack.enter_context(single_process_group(seed=recipe.seed))
+    config = recipe.policy_config()
+    policy = MegatronPolicy(data.model_dir, config)
+    reference = (
+        MegatronPolicy(data.model_dir, dataclasses.replace(config, learning_rate=0.0))
+        if needs_reference(recipe.train.loss)
+        else None
+    )
+    return Roles(vllm_base_url=vllm.base_url, agent_url=gym.url(agent), policy=policy, reference=reference)
+
+
+def start_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
+    """Start the roles where ``recipe.cluster`` places them; ``stack`` stops them."""
+    if recipe.cluster.backend == "ray":
+        from rl_bridge.loop.ray_roles import start_ray_roles
+
+        return start_ray_roles(recipe, data, stack)
+    return start_local_roles(recipe, data, stack)

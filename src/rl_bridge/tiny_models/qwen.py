@@ -164,6 +164,29 @@ class _QwenVLSpec(TinyModelSpec):
         }
 
 
+    def _vision_config(self, **extra: object) -> dict[str, object]:
+        """The vision tower's config fields both Qwen generations share, plus ``extra``."""
+        return {
+            "depth": self.vision_depth,
+            "hidden_size": self.vision_hidden_size,
+            "intermediate_size": self.vision_intermediate_size,
+            "num_heads": self.vision_num_heads,
+            "patch_size": self.patch_size,
+            "spatial_merge_size": self.spatial_merge_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "out_hidden_size": self.text_hidden_size,
+            **extra,
+        }
+
+    def _processor_patching(self) -> dict[str, int]:
+        """The patching arguments of the image and video processors."""
+        return {
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "merge_size": self.spatial_merge_size,
+        }
+
+
 class Qwen25VLSpec(_QwenVLSpec):
     """Tiny Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``), about 1.7 M parameters by default.
 
@@ -211,27 +234,15 @@ class Qwen25VLSpec(_QwenVLSpec):
                     "rope_theta": self.rope_theta,
                 },
             ),
-            vision_config={
-                "depth": self.vision_depth,
-                "hidden_size": self.vision_hidden_size,
-                "intermediate_size": self.vision_intermediate_size,
-                "num_heads": self.vision_num_heads,
-                "patch_size": self.patch_size,
-                "spatial_merge_size": self.spatial_merge_size,
-                "temporal_patch_size": self.temporal_patch_size,
-                "tokens_per_second": self.tokens_per_second,
-                "window_size": self.window_size,
-                "fullatt_block_indexes": list(self.fullatt_block_indexes),
-                "out_hidden_size": self.text_hidden_size,
-            },
+            vision_config=self._vision_config(
+                tokens_per_second=self.tokens_per_second,
+                window_size=self.window_size,
+                fullatt_block_indexes=list(self.fullatt_block_indexes),
+            ),
             tie_word_embeddings=False,
             **self._token_ids(tokenizer),
         )
-        vision = {
-            "patch_size": self.patch_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "merge_size": self.spatial_merge_size,
-        }
+        vision = self._processor_patching()
         processor = Qwen2_5_VLProcessor(
             image_processor=Qwen2VLImageProcessor(
                 min_pixels=self.image_min_pixels, max_pixels=self.image_max_pixels, **vision
@@ -318,26 +329,14 @@ class Qwen3VLSpec(_QwenVLSpec):
                     "rope_theta": self.rope_theta,
                 },
             ),
-            vision_config={
-                "depth": self.vision_depth,
-                "hidden_size": self.vision_hidden_size,
-                "intermediate_size": self.vision_intermediate_size,
-                "num_heads": self.vision_num_heads,
-                "patch_size": self.patch_size,
-                "spatial_merge_size": self.spatial_merge_size,
-                "temporal_patch_size": self.temporal_patch_size,
-                "num_position_embeddings": self.num_position_embeddings,
-                "deepstack_visual_indexes": list(self.deepstack_visual_indexes),
-                "out_hidden_size": self.text_hidden_size,
-            },
+            vision_config=self._vision_config(
+                num_position_embeddings=self.num_position_embeddings,
+                deepstack_visual_indexes=list(self.deepstack_visual_indexes),
+            ),
             tie_word_embeddings=False,
             **self._token_ids(tokenizer),
         )
-        vision = {
-            "patch_size": self.patch_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "merge_size": self.spatial_merge_size,
-        }
+        vision = self._processor_patching()
         processor = Qwen3VLProcessor(
             image_processor=Qwen2VLImageProcessor(
                 size={"shortest_edge": self.image_min_pixels, "longest_edge": self.image_max_pixels},

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,15 +24,6 @@ pytestmark = pytest.mark.integration
 
 MAX_ABS_LOGIT_DIFF = 1e-4
 NUM_FRAMES, FRAME_SIZE = 4, 56
-
-
-@pytest.fixture(scope="module")
-def megatron_runtime() -> Iterator[None]:
-    """megatron-core ready for this module: CPU support (when no CUDA) and a world-size-1 group."""
-    with ExitStack() as stack:
-        stack.enter_context(cpu_support.cpu_execution())
-        stack.enter_context(cpu_support.single_process_group())
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +21,6 @@ from safetensors import safe_open
 
 from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.grpo import GRPOLossConfig
-from rl_bridge.megatron import cpu_support
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig, TrainStepMetrics
 from rl_bridge.processors import ProcessedMedia, load_processor
@@ -41,15 +38,6 @@ TRAJECTORIES = (
     ("first", "A barcode counts up", -1.0),
     ("second", "Red, then yellow, then green.", 1.0),
 )
-
-
-@pytest.fixture(scope="module")
-def megatron_runtime() -> Iterator[None]:
-    """megatron-core ready for this module: CPU support (when no CUDA) and a world-size-1 group."""
-    with ExitStack() as stack:
-        stack.enter_context(cpu_support.cpu_execution())
-        stack.enter_context(cpu_support.single_process_group())
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ segment: several clips per trajectory, returned by the environment in later turn
 Rows (see :func:`gym_video_env.environments.video_segments_rows`) carry ``segments`` (clip
 references, relative to the media root, in segment order), ``options`` and ``answer``. The
 session seeded by ``/seed_session`` holds the row's segments; ``/verify`` grades the final
-``\\boxed{X}`` as ``video_mcqa`` does and reports which segments were watched.
+answer as ``video_mcqa`` does (``answer_format``: the last ``\\boxed{X}``, or the whole answer as
+one letter) and reports which segments were watched.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from nemo_gym.server_utils import SESSION_ID_KEY
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from gym_video_env.environments import segment_tool_output
-from gym_video_env.grading import final_assistant_text, grade_choice
+from gym_video_env.grading import AnswerFormat, final_assistant_text, grade_choice
 
 
 class VideoSegmentsConfig(BaseResourcesServerConfig):
-    """No fields of its own: the segments come with each row."""
+    """Where the answer letter is read; the segments come with each row."""
 
     REVERIFY_MODE: ClassVar[ReverifyMode] = ReverifyMode.STATELESS
+
+    answer_format: AnswerFormat = "boxed"
+    """``"boxed"``: the last ``\\boxed{X}``; ``"letter"``: the whole final answer is the letter."""
 
 
 class VideoSegmentsRunRequest(BaseRunRequest):
@@ -125,7 +129,9 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
         watched = self._watched.pop(session_id, []) if session_id is not None else []
         self._segments.pop(session_id, None)
         output = body.response.model_dump(mode="json")["output"]
-        grade = grade_choice(final_assistant_text(output), body.answer, body.options)
+        grade = grade_choice(
+            final_assistant_text(output), body.answer, body.options, answer_format=self.config.answer_format
+        )
         return VideoSegmentsVerifyResponse(
             **body.model_dump(),
             reward=grade.reward,

@@ -16,6 +16,12 @@ with two differences:
   clips this way whether or not the model calls tools, also after a turn cut at
   ``max_output_tokens``.
 
+An inner server's refusal of the row itself (HTTP 4xx other than 408 and 429: e.g. the model
+server or vLLM refusing a video that does not decode) is answered with that status and body,
+where Gym's agents answer 500: callers can tell a bad row, which retrying cannot fix, from a
+failing server. With ``max_steps: 1`` and no ``observation_route`` the agent is ``simple_agent``
+with that difference.
+
 The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
 vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
 """
@@ -25,7 +31,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import Request, Response
+from aiohttp import ClientResponseError
+from fastapi import FastAPI, Request, Response
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, Body, SimpleResponsesAPIAgent
 from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
@@ -58,6 +65,22 @@ class VideoToolsAgentVerifyResponse(BaseVerifyResponse):
 class VideoToolsAgent(SimpleResponsesAPIAgent):
     ray_enabled = False
     config: VideoToolsAgentConfig
+
+    def setup_exception_middleware(self, app: FastAPI) -> None:
+        """Answer an inner server's refusal of the row with its own 4xx status and body (see the
+        module docstring); every other error as Gym's middleware does."""
+
+        @app.middleware("http")
+        async def inner_refusal_middleware(request: Request, call_next: Any) -> Response:
+            try:
+                return await call_next(request)
+            except ClientResponseError as error:
+                content = getattr(error, "response_content", None)
+                if content is None or not 400 <= error.status < 500 or error.status in _RETRYABLE_4XX:
+                    raise
+                return Response(content=content, status_code=error.status, media_type="application/json")
+
+        super().setup_exception_middleware(app)
 
     async def responses(
         self,
@@ -176,6 +199,10 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         if answer.ok and isinstance(payload, dict) and isinstance(payload.get("output"), list):
             return _tool_output(call, payload["output"])
         return _tool_output(call, text)
+
+
+# Request Timeout and Too Many Requests: the server, not the row, failed.
+_RETRYABLE_4XX = frozenset({408, 429})
 
 
 def _tool_output(call: dict[str, Any], output: str | list[dict[str, Any]]) -> dict[str, Any]:

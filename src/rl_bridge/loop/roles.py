@@ -56,17 +56,35 @@ class Roles:
 
 
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
-    """The vLLM server of a run: fp32 (the trainer's dtype on CPU), dev mode for refits, the
-    run's media root as the allowed local media path."""
+    """The vLLM server of a run.
+
+    The model section's dtype, context length and parallelism; dev mode for refits; the run's
+    media root as the allowed local media path; as many videos per prompt as a trajectory
+    collects; and this package's video loader with the sampling contract the trainer's processor
+    uses, so vLLM and the trainer sample the same frames.
+    """
+    from rl_bridge.processors import load_processor
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
+    model = recipe.model
+    extra_args: list[str] = []
+    if model.vllm_tensor_parallel_size > 1:
+        extra_args += ["--tensor-parallel-size", str(model.vllm_tensor_parallel_size)]
+    if model.vllm_gpus:
+        extra_args += ["--gpu-memory-utilization", str(model.vllm_gpu_memory_utilization)]
+    contract = load_processor(data.model_dir).contract
     return VLLMServerConfig(
         model=data.model_dir,
-        dtype="float32",
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        trust_remote_code=model.trust_remote_code,
         dev_mode=True,
         seed=recipe.seed,
         allowed_local_media_path=data.media_root,
+        limit_mm_per_prompt={"image": 0, "video": recipe.task.videos_per_prompt},
+        media_io_kwargs={"video": contract.to_media_io_kwargs()},
         startup_timeout_s=900,
+        extra_args=tuple(extra_args),
     )
 
 

@@ -1,32 +1,60 @@
-"""The training loop's task: its rows, the tiny model, and the Gym servers that serve it.
+"""The training loop's task: its rows, the policy checkpoint, and the Gym servers that serve it.
 
-The rows are ``video_mcqa`` rows built from the synthetic video tasks, like
-:func:`gym_video_env.environments.video_mcqa_rows`, with the knobs that make a tiny random model
-learnable from reward within minutes (see :class:`~rl_bridge.loop.config.TaskSection`): options in
-a canonical order, the instruction of the chosen answer format, and optionally only the colour
-clips that show their colour in every frame. :func:`prepare_task` builds everything a run needs
-before any server starts (:class:`TaskData`).
+Two environments (:attr:`~rl_bridge.loop.config.TaskSection.environment`):
+
+- ``mcqa``: ``video_mcqa`` rows built from the synthetic video tasks, like
+  :func:`gym_video_env.environments.video_mcqa_rows`, with the knobs that make a tiny random model
+  learnable from reward within minutes (see :class:`~rl_bridge.loop.config.TaskSection`): options
+  in a canonical order, the instruction of the chosen answer format, and optionally only the
+  colour clips that show their colour in every frame. Optionally a fraction of the training rows
+  carry bad media, which the run must mask and count;
+- ``segments``: multi-turn ``video_segments`` rows
+  (:func:`gym_video_env.environments.video_segments_rows`) served by ``video_tools_agent``: the
+  prompt has no video and the environment returns one segment's clip after each model turn, so a
+  trajectory shows ``num_segments`` clips, each in a later turn, and the last answer is graded.
+
+:func:`prepare_task` builds everything a run needs before any server starts (:class:`TaskData`).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
-from gym_video_env.environments import mcqa_row
+from gym_video_env.environments import mcqa_row, video_segments_rows
 from gym_video_env.grading import BOXED_INSTRUCTION, LETTER_INSTRUCTION
 from gym_video_env.synthetic import ClipConfig, make_task_clip
-from rl_bridge.loop.config import Recipe, TaskSection
+from rl_bridge.loop.config import ModelSection, Recipe, TaskSection
 
 if TYPE_CHECKING:
     from rl_bridge.services.gym_server import GymServerSpec
 
-__all__ = ["MODEL_SERVER", "TaskData", "letter_token_ids", "option_letters", "prepare_task", "task_rows"]
+__all__ = [
+    "MEDIA_FAULT_KEY",
+    "MODEL_SERVER",
+    "TaskData",
+    "letter_token_ids",
+    "option_letters",
+    "prepare_task",
+    "task_rows",
+    "with_bad_media",
+]
 
 MODEL_SERVER = "policy_model"
-RESOURCES_SERVER = "video_mcqa"
-AGENT_SERVER = "video_mcqa_agent"
+AGENT_SERVER = "task_agent"
+# Per environment: the resources server directory (also its instance name).
+_RESOURCES: Final[dict[str, str]] = {"mcqa": "video_mcqa", "segments": "video_segments"}
+# The observation route of video_segments that returns the next unseen segment's clip.
+_NEXT_SEGMENT_ROUTE: Final = "/next_segment"
+
+MEDIA_FAULT_KEY: Final = "media_fault"
+"""Row field of a row whose clip was replaced by bad media: the bad-input case id
+(:mod:`gym_video_env.synthetic.bad_inputs`), e.g. ``"truncated"`` or ``"missing_file"``."""
+_MISSING_FILE: Final = "missing_file"
+# The cases bad rows take first, so that a few bad rows already mix the common kinds of damage.
+_FAULT_ORDER: Final = ("truncated", "not_a_video", _MISSING_FILE, "zero_length", "corrupt_middle")
 
 _LETTERS = "ABCDEFGH"
 
@@ -36,26 +64,46 @@ def option_letters(task: TaskSection) -> str:
     return _LETTERS[: task.num_options]
 
 
-def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str) -> list[dict[str, Any]]:
-    """Write clips under ``media_root/subdir`` and return ``n`` ``video_mcqa`` rows.
-
-    Row fields besides ``responses_create_params``: ``task_id``, ``task``, ``options`` (letter ->
-    text) and ``answer``. With ``task.canonical_options`` the options are sorted by their text and
-    relettered, so questions with the same option set always use the same letter for an answer.
-
-    Raises:
-        ValueError: ``n < 1``.
-    """
-    if n < 1:
-        raise ValueError(f"task_rows: n must be >= 1, got {n}")
-    config = ClipConfig(
+def _clip_config(task: TaskSection) -> ClipConfig:
+    return ClipConfig(
         width=task.width,
         height=task.height,
         num_frames=task.num_frames,
         fps=task.fps,
         num_options=task.num_options,
     )
-    instruction = LETTER_INSTRUCTION if task.answer_format == "letter" else BOXED_INSTRUCTION
+
+
+def _instruction(task: TaskSection) -> str:
+    return LETTER_INSTRUCTION if task.answer_format == "letter" else BOXED_INSTRUCTION
+
+
+def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str) -> list[dict[str, Any]]:
+    """Write clips under ``media_root/subdir`` and return ``n`` rows of ``task.environment``.
+
+    ``mcqa`` rows (:func:`gym_video_env.environments.mcqa_row`) carry ``task_id``, ``task``,
+    ``options`` (letter -> text) and ``answer``; with ``task.canonical_options`` the options are
+    sorted by their text and relettered, so questions with the same option set always use the
+    same letter for an answer. ``segments`` rows
+    (:func:`gym_video_env.environments.video_segments_rows`) carry ``task_id``, ``segments``,
+    ``options`` and ``answer``; they keep the ``watch_segment`` tool with ``tool_choice: "none"``
+    (the loop's vLLM runs without a tool-call parser), so each clip arrives through the
+    environment's ``/next_segment`` observation after a model turn.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"task_rows: n must be >= 1, got {n}")
+    if task.environment == "segments":
+        return _segments_rows(task, media_root, n, seed=seed, subdir=subdir)
+    return _mcqa_rows(task, media_root, n, seed=seed, subdir=subdir)
+
+
+def _mcqa_rows(
+    task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str
+) -> list[dict[str, Any]]:
+    config = _clip_config(task)
     rows: list[dict[str, Any]] = []
     index = 0
     while len(rows) < n:
@@ -70,7 +118,7 @@ def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir:
         options = dict(zip(_LETTERS, texts, strict=False))
         answer = next(letter for letter, text in options.items() if text == record.answer_text)
         prompt = "\n".join(
-            [record.question, *(f"{letter}. {text}" for letter, text in options.items()), instruction]
+            [record.question, *(f"{letter}. {text}" for letter, text in options.items()), _instruction(task)]
         )
         rows.append(
             mcqa_row(
@@ -83,6 +131,98 @@ def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir:
             )
         )
     return rows
+
+
+def _segments_rows(
+    task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str
+) -> list[dict[str, Any]]:
+    rows = video_segments_rows(
+        media_root,
+        n,
+        seed=seed,
+        num_segments=task.num_segments,
+        num_options=task.num_options,
+        config=_clip_config(task),
+        subdir=subdir,
+    )
+    instruction = _instruction(task)
+    for row in rows:
+        params = row["responses_create_params"]
+        params["tool_choice"] = "none"
+        if instruction != BOXED_INSTRUCTION:
+            (text_part,) = params["input"][0]["content"]
+            question = text_part["text"].removesuffix(BOXED_INSTRUCTION)
+            if question == text_part["text"]:
+                raise ValueError(
+                    f"segments row {row['task_id']}: the prompt does not end with the boxed instruction"
+                )
+            text_part["text"] = question + instruction
+    return rows
+
+
+def with_bad_media(
+    rows: list[dict[str, Any]], fraction: float, media_root: Path, *, seed: int, subdir: str = "bad"
+) -> list[dict[str, Any]]:
+    """``rows`` with ``round(fraction * len(rows))`` of them, chosen with ``seed``, pointing at bad media.
+
+    The bad files are the corpus of :func:`gym_video_env.synthetic.bad_inputs.write_bad_inputs`
+    (written under ``media_root/subdir``) whose video every layer refuses (truncated, zero-length,
+    audio-only, no decodable frame, over the pixel budget, unknown codec, not a video), plus a
+    reference to a file that does not exist; the chosen rows take them in turn (truncated, not a
+    video, missing, zero-length and corrupt first). A bad row keeps its question, options and
+    answer; its ``task_id`` gets the case as suffix and :data:`MEDIA_FAULT_KEY` names the case.
+
+    Raises:
+        ValueError: ``fraction`` is not in ``[0, 1)``, or a chosen row has no ``input_video`` part.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"with_bad_media: fraction must be in [0, 1), got {fraction}")
+    count = round(fraction * len(rows))
+    if count == 0:
+        return list(rows)
+    from gym_video_env.synthetic.bad_inputs import write_bad_inputs
+
+    root = media_root / subdir
+    corpus = write_bad_inputs(root, media_root.parent / f"{media_root.name}-{subdir}-outside")
+    faults = [
+        (case.id, case.path.relative_to(media_root).as_posix())
+        for case in corpus
+        if case.path is not None
+        and case.path.parent == root / "videos"
+        and case.expected.get("gym_server") == "error"
+        and case.expected.get("trainer") == "error"
+    ]
+    faults.append((_MISSING_FILE, f"{subdir}/videos/{_MISSING_FILE}.mp4"))
+    rank = {case: position for position, case in enumerate(_FAULT_ORDER)}
+    faults.sort(key=lambda fault: rank.get(fault[0], len(rank)))
+    chosen = sorted(random.Random(seed).sample(range(len(rows)), count))
+    out = list(rows)
+    for turn, index in enumerate(chosen):
+        case, reference = faults[turn % len(faults)]
+        out[index] = _replace_video(rows[index], reference, case)
+    return out
+
+
+def _replace_video(row: dict[str, Any], reference: str, case: str) -> dict[str, Any]:
+    """A copy of ``row`` whose ``input_video`` parts point at ``reference``, marked with ``case``."""
+    replaced = 0
+    messages = []
+    for message in row["responses_create_params"]["input"]:
+        content = []
+        for part in message["content"]:
+            if part.get("type") == "input_video":
+                part = {"type": "input_video", "video_url": reference}
+                replaced += 1
+            content.append(part)
+        messages.append({**message, "content": content})
+    if not replaced:
+        raise ValueError(f"row {row.get('task_id')!r} has no input_video part to replace")
+    return {
+        **row,
+        "responses_create_params": {**row["responses_create_params"], "input": messages},
+        "task_id": f"{row['task_id']}-{case}",
+        MEDIA_FAULT_KEY: case,
+    }
 
 
 def letter_token_ids(model_dir: Path, letters: str) -> list[int]:
@@ -110,7 +250,7 @@ class TaskData:
     """What a run needs before its servers start: the model, the media and the rows."""
 
     model_dir: Path
-    """The tiny HF checkpoint the policy starts from."""
+    """The HF checkpoint the policy starts from (the tiny model, or ``model.path``)."""
     media_root: Path
     """Root of every clip the rows refer to (the servers' allowed media path)."""
     train_rows: list[dict[str, Any]]
@@ -124,11 +264,18 @@ class TaskData:
         """The Gym servers of the task and the name of the agent server whose ``/run`` rolls out.
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
-        with every request when sampling is restricted to the option letters), the resources
-        server ``video_mcqa``, the agent Gym's stock ``simple_agent``.
+        with every request when sampling is restricted to the option letters; media in tool
+        outputs are relocated into the next user message). The agent is ``video_tools_agent``,
+        which answers a row the model server refuses (a video that does not decode) with that
+        4xx, so the rollout counts it as a content failure instead of retrying it. ``mcqa``: the
+        resources server ``video_mcqa``, one model call (the agent is then Gym's
+        ``simple_agent``). ``segments``: ``video_segments``, the agent asking ``/next_segment``
+        for the next clip after every model turn: ``num_segments + 1`` model calls, the clips in
+        between. Both grade the final answer in ``task.answer_format``.
         """
         from rl_bridge.services.gym_server import GymServerSpec, video_model_server_spec
 
+        task = recipe.task
         extra_body = (
             {"allowed_token_ids": list(self.letter_ids)} if recipe.rollout.restrict_to_options else None
         )
@@ -139,32 +286,72 @@ class TaskData:
             media_root=self.media_root,
             extra_body=extra_body,
         )
-        resources = GymServerSpec(
-            RESOURCES_SERVER,
-            "resources_servers",
-            "video_mcqa",
-            {"domain": "knowledge", "answer_format": recipe.task.answer_format},
-        )
-        agent = GymServerSpec(
-            AGENT_SERVER,
-            "responses_api_agents",
-            "simple_agent",
-            {"resources_server": resources.ref(), "model_server": model.ref(), "max_steps": 1},
-        )
+        name = _RESOURCES[task.environment]
+        if task.environment == "segments":
+            resources = GymServerSpec(
+                name, "resources_servers", name, {"domain": "agent", "answer_format": task.answer_format}
+            )
+            agent = GymServerSpec(
+                AGENT_SERVER,
+                "responses_api_agents",
+                "video_tools_agent",
+                {
+                    "resources_server": resources.ref(),
+                    "model_server": model.ref(),
+                    "max_steps": task.num_segments + 1,
+                    "observation_route": _NEXT_SEGMENT_ROUTE,
+                },
+            )
+        else:
+            resources = GymServerSpec(
+                name, "resources_servers", name, {"domain": "knowledge", "answer_format": task.answer_format}
+            )
+            agent = GymServerSpec(
+                AGENT_SERVER,
+                "responses_api_agents",
+                "video_tools_agent",
+                {"resources_server": resources.ref(), "model_server": model.ref(), "max_steps": 1},
+            )
         return [model, resources, agent], AGENT_SERVER
 
 
+def checkpoint_dir(model: ModelSection) -> Path:
+    """The policy's starting checkpoint: the tiny model (built, or found in the cache) when
+    ``model.path`` is ``None``; else ``model.path`` as a directory, or as a hub id fetched into
+    (or found in) the Hugging Face cache (``HF_HUB_OFFLINE=1``: the cache only).
+
+    Raises:
+        huggingface_hub.errors.HFValidationError, OSError: ``model.path`` is neither a directory
+            nor a hub id that can be fetched.
+    """
+    if model.path is None:
+        from rl_bridge.tiny_models import build_tiny_model
+
+        return build_tiny_model(model.family, seed=model.seed, **model.spec)
+    local = Path(model.path).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model.path))
+
+
 def prepare_task(recipe: Recipe) -> TaskData:
-    """Build the tiny model and write the task's clips under ``<run_dir>/media``.
+    """Check the hardware, get the checkpoint and write the task's clips under ``<run_dir>/media``.
 
     Deterministic in the recipe's seeds: a resumed run calls it again and gets the same rows.
-    """
-    from rl_bridge.tiny_models import build_tiny_model
 
+    Raises:
+        rl_bridge.loop.config.HardwareError: a GPU recipe on a machine without the GPUs (checked
+            before anything is built or written).
+    """
+    recipe.require_hardware()
     media_root = recipe.run_dir.resolve() / "media"
-    model_dir = build_tiny_model(recipe.model.family, seed=recipe.model.seed, **recipe.model.spec)
+    model_dir = checkpoint_dir(recipe.model)
     task = recipe.task
     train_rows = task_rows(task, media_root, task.train_rows, seed=task.seed, subdir="train")
+    if task.bad_row_fraction:
+        train_rows = with_bad_media(train_rows, task.bad_row_fraction, media_root, seed=task.seed)
     val_rows = task_rows(task, media_root, task.val_rows, seed=task.seed + 1, subdir="val")
     return TaskData(
         model_dir=model_dir,

@@ -1,0 +1,112 @@
+"""Two steps of the real sync GRPO loop with 20% of the training rows pointing at bad media.
+
+The bad rows (truncated, not a video, missing, zero-length, corrupt...: the corpus of
+:mod:`gym_video_env.synthetic.bad_inputs`) go through the real servers like the others; the run
+must complete, mask each of them with a reason that names its file, and account for every row:
+``trained + sum(masked/<reason>) == rows`` in every step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import PurePosixPath
+
+import pytest
+
+from rl_bridge.loop.config import load_recipe
+from rl_bridge.loop.controller import MASKED_ROWS_FILE
+from rl_bridge.loop.sync import run_sync
+from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# 25 training rows, 5 of them bad; 2 steps of 13 prompts see every row at least once.
+TRAIN_ROWS, PROMPTS, GROUP, STEPS, FRACTION = 25, 13, 2, 2, 0.2
+
+# Refused by the servers (an HTTP 4xx, not retried), or by the trainer's media loading.
+MASK_REASONS = {"rollout_content_failed", "media_undecodable", "media_unavailable"}
+
+Run = tuple[dict, list[dict], list[dict], dict[str, str]]
+"""The summary, the step records, the masked-row log and the bad rows (task id -> file name)."""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("bad_rows") / "run"
+    recipe = load_recipe(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"train.steps={STEPS}",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.group_size={GROUP}",
+            f"task.train_rows={TRAIN_ROWS}",
+            f"task.bad_row_fraction={FRACTION}",
+            "task.val_rows=4",
+            "validation.every=0",
+            "train.checkpoint_at_end=false",
+        ],
+    )
+    summary = run_sync(recipe)
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    masked = [json.loads(line) for line in (run_dir / MASKED_ROWS_FILE).read_text().splitlines()]
+    # The rows are a pure function of the recipe: the bad ones and the file each points at.
+    bad = {
+        row["task_id"]: PurePosixPath(_video_url(row)).name
+        for row in prepare_task(recipe).train_rows
+        if MEDIA_FAULT_KEY in row
+    }
+    return summary, [r for r in history if "rollout/rows" in r], masked, bad
+
+
+def _video_url(row: dict) -> str:
+    (part,) = [p for p in row["responses_create_params"]["input"][0]["content"] if p["type"] == "input_video"]
+    return part["video_url"]
+
+
+def test_the_run_completes_with_a_mix_of_bad_rows(run: Run) -> None:
+    summary, steps, _, bad = run
+    assert summary["steps"] == STEPS
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert sorted(bad.values()) == [
+        "corrupt_middle.mp4",
+        "missing_file.mp4",
+        "not_a_video.mp4",
+        "truncated.mp4",
+        "zero_length.mp4",
+    ]
+
+
+def test_metrics_account_for_every_row(run: Run) -> None:
+    _, steps, masked, _ = run
+    for record in steps:
+        by_reason = {k: v for k, v in record.items() if k.startswith("masked/")}
+        assert record["rollout/rows"] == PROMPTS * GROUP
+        assert record["preprocess/trained"] + sum(by_reason.values()) == PROMPTS * GROUP, record
+        assert sum(by_reason.values()) == record["preprocess/masked"]
+        assert record["preprocess/media/placeholder_pass_rate"] == 1.0
+    logged = Counter(f"masked/{entry['reason']}" for entry in masked)
+    totals = Counter()
+    for record in steps:
+        totals.update({k: int(v) for k, v in record.items() if k.startswith("masked/")})
+    assert logged == totals
+    assert sum(totals.values()) > 0
+
+
+def test_each_bad_row_is_masked_with_a_reason_naming_its_file(run: Run) -> None:
+    _, _, masked, bad = run
+    by_row: dict[str, list[dict]] = {}
+    for entry in masked:
+        by_row.setdefault(entry["task_id"], []).append(entry)
+    # Only the bad rows are masked, and every one was (each row is dispatched in the two steps).
+    assert set(by_row) == set(bad)
+    for task_id, entries in by_row.items():
+        assert len(entries) % GROUP == 0, (task_id, entries)
+        for entry in entries:
+            assert entry["reason"] in MASK_REASONS, entry
+            assert entry["detail"], entry
+            assert [PurePosixPath(ref).name for ref in entry["media"]] == [bad[task_id]], entry
+    # The model server names the file it cannot find in the error itself.
+    (missing,) = [task_id for task_id, name in bad.items() if name == "missing_file.mp4"]
+    assert all("missing_file.mp4: no such file" in entry["detail"] for entry in by_row[missing])

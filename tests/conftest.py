@@ -14,4 +14,5 @@ pytest_plugins = [
     "tests.fixtures.vllm",
     "tests.fixtures.gym",
     "tests.fixtures.gym_video",
+    "tests.fixtures.bad_inputs",
 ]

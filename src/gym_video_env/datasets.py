@@ -16,10 +16,14 @@
     Video paths are written relative to the media root (relative input paths are taken relative
     to it too); a video outside the media root is an error.
 
-``python -m gym_video_env.datasets validate ROWS --media-root DIR [--no-decode]``
-    Checks every row: its shape, each media part (confined to the media root, within the size
-    limits, and, unless ``--no-decode``, that the video or image decodes), and that ``answer`` is
-    one of the ``options`` letters.
+``python -m gym_video_env.datasets validate ROWS --media-root DIR [--no-decode] [limits]``
+    Checks every row: its shape (messages, tool calls and tool outputs; content parts of known
+    types), each media part (in a message or a tool output: confined to the media root, within
+    ``--max-video-bytes``, and, unless ``--no-decode``, that it decodes: a video's frames at
+    :data:`VALIDATE_FRAMES` points spread over it, every frame a cached-frame manifest names, an
+    image), and that ``answer`` is one of the ``options`` letters. Decoding uses the resource
+    bounds of :class:`vllm_video_plugin.decode.DecodeLimits`, set with ``--max-frame-pixels``,
+    ``--max-frames`` and ``--decode-timeout-s`` (``--max-video-bytes`` also bounds decoding).
 
 ``python -m gym_video_env.datasets generate {video_mcqa,video_segments} OUTPUT --media-root DIR``
     Writes synthetic clips under the media root and their rows (see :mod:`gym_video_env.environments`).
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import dataclasses
 import io
 import json
 import re
@@ -45,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-import av
 from PIL import Image
 from tqdm import tqdm
 
@@ -54,9 +58,15 @@ from gym_video_env.grading import BOXED_INSTRUCTION
 from gym_video_env.handlers import MEDIA_PART_TYPES, VIDEO_PART_TYPE, media_ref, resolve_local_media
 from gym_video_env.hookspecs import MediaError, MediaSettings
 from gym_video_env.plugins import get_plugin_manager
+from vllm_video_plugin.contract import VideoSamplingContract
+from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits, decode_frames
+from vllm_video_plugin.errors import VideoDecodeError, VideoGRPOError
+from vllm_video_plugin.manifest import ManifestError, load_manifest_frames, sniff_media
 
 __all__ = [
     "FORMATS",
+    "KNOWN_PART_TYPES",
+    "VALIDATE_FRAMES",
     "RowError",
     "convert_records",
     "main",
@@ -66,6 +76,15 @@ __all__ = [
 ]
 
 FORMATS: Final = ("video-r1", "nextqa", "generic")
+KNOWN_PART_TYPES: Final = frozenset(
+    {"input_text", "input_image", "input_video", "input_file", "input_audio", "output_text", "refusal"}
+)
+"""Content part types a row's messages and tool outputs may hold (Responses API types, plus
+``input_video``); anything else is reported."""
+VALIDATE_FRAMES: Final = 8
+"""Frames the validator decodes per video, spread uniformly over it (all of a shorter video)."""
+_VALIDATE_CONTRACT: Final = VideoSamplingContract(style="uniform", num_frames=VALIDATE_FRAMES)
+_EVERY_FRAME: Final = VideoSamplingContract(style="uniform")
 _LETTERS: Final = "ABCDEFGHIJ"
 _VIDEO_R1_OPTION = re.compile(r"^\s*\(?([A-Z])[.):]\s*(.*)$", re.DOTALL)
 _VIDEO_R1_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
@@ -260,8 +279,20 @@ def _row(
 # --- validate ---------------------------------------------------------------------------------------
 
 
-def validate_row(row: Any, settings: MediaSettings, *, decode: bool = True) -> list[str]:
-    """Every problem of one Gym row (empty when it is valid)."""
+def validate_row(
+    row: Any, settings: MediaSettings, *, decode: bool = True, limits: DecodeLimits = DEFAULT_LIMITS
+) -> list[str]:
+    """Every problem of one Gym row (empty when it is valid), each naming its place and reason.
+
+    Args:
+        row: one Gym row (``responses_create_params`` plus task fields).
+        settings: media root and byte limits (see :class:`~gym_video_env.hookspecs.MediaSettings`).
+        decode: also decode each media part (see the module docstring).
+        limits: resource bounds for decoding; ``settings.max_video_bytes``, when smaller, bounds
+            the bytes too.
+    """
+    if settings.max_video_bytes is not None and settings.max_video_bytes < limits.max_input_bytes:
+        limits = dataclasses.replace(limits, max_input_bytes=settings.max_video_bytes)
     if not isinstance(row, dict):
         return [f"a row is a JSON object, got {type(row).__name__}"]
     params = row.get("responses_create_params")
@@ -275,26 +306,40 @@ def validate_row(row: Any, settings: MediaSettings, *, decode: bool = True) -> l
     problems: list[str] = []
     pm = get_plugin_manager()
     for index, item in enumerate(items):
-        if not isinstance(item, dict) or "role" not in item:
-            problems.append(f"input[{index}]: not a message (an object with a role)")
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "function_call":
             continue
-        content = item.get("content")
+        if kind == "function_call_output":
+            content, key = item.get("output"), "output"
+        elif isinstance(item, dict) and "role" in item:
+            content, key = item.get("content"), "content"
+        else:
+            problems.append(
+                f"input[{index}]: not a message (an object with a role), a function_call or a "
+                "function_call_output"
+            )
+            continue
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
-            problems.append(f"input[{index}].content: must be a string or a list of parts")
+            problems.append(f"input[{index}].{key}: must be a string or a list of parts")
             continue
         for part_index, part in enumerate(content):
-            where = f"input[{index}].content[{part_index}]"
+            where = f"input[{index}].{key}[{part_index}]"
             if not isinstance(part, dict) or "type" not in part:
                 problems.append(f"{where}: not a content part (an object with a type)")
             elif part["type"] in MEDIA_PART_TYPES:
                 try:
                     pm.hook.validate_media(part=part, settings=settings)
                     if decode:
-                        _check_decodes(part, settings)
+                        _check_decodes(part, settings, limits)
                 except MediaError as error:
                     problems.append(f"{where}: {error}")
+            elif part["type"] not in KNOWN_PART_TYPES:
+                problems.append(
+                    f"{where}: unknown content part type {part['type']!r}; known types are "
+                    f"{', '.join(sorted(KNOWN_PART_TYPES))}"
+                )
     options, answer = row.get("options"), row.get("answer")
     if options is not None:
         if not isinstance(options, dict) or not options:
@@ -305,9 +350,15 @@ def validate_row(row: Any, settings: MediaSettings, *, decode: bool = True) -> l
 
 
 def validate_rows(
-    path: Path, settings: MediaSettings, *, decode: bool = True, progress: bool = True
+    path: Path,
+    settings: MediaSettings,
+    *,
+    decode: bool = True,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    progress: bool = True,
 ) -> tuple[int, list[RowError]]:
-    """The number of rows of the JSONL file ``path`` and an error per problem, with line numbers."""
+    """The number of rows of the JSONL file ``path`` and an error per problem, with line numbers
+    (arguments as for :func:`validate_row`)."""
     count = 0
     errors: list[RowError] = []
     with path.open(encoding="utf-8") as handle:
@@ -318,39 +369,44 @@ def validate_rows(
             if isinstance(record, RowError):
                 errors.append(record)
                 continue
-            errors += [RowError(line, problem) for problem in validate_row(record, settings, decode=decode)]
+            problems = validate_row(record, settings, decode=decode, limits=limits)
+            errors += [RowError(line, problem) for problem in problems]
     return count, errors
 
 
-def _check_decodes(part: dict[str, Any], settings: MediaSettings) -> None:
-    """Decode the first frame of a video (or the image); remote media and frame manifests are skipped."""
+def _check_decodes(part: dict[str, Any], settings: MediaSettings, limits: DecodeLimits) -> None:
+    """Decode a part's media: a video at :data:`VALIDATE_FRAMES` points, every frame of a
+    cached-frame manifest, an image. Remote media are skipped (the validator fetches nothing)."""
     ref = media_ref(part)
-    if ref.kind == "remote" or ref.is_manifest:
+    if ref.kind == "remote":
         return
     if ref.kind == "file":
-        source: Path | io.BytesIO = resolve_local_media(ref.value, settings)
+        path = resolve_local_media(ref.value, settings)
+        label, data = ref.value, None
     else:
         header, _, payload = ref.value.partition(",")
-        data = (
-            base64.b64decode(payload)
-            if header.endswith(";base64")
-            else urllib.parse.unquote_to_bytes(payload)
-        )
-        source = io.BytesIO(data)
-    label = ref.value if ref.kind == "file" else f"{ref.value[:40]}..."
+        label = f"{ref.value[:40]}..."
+        try:
+            data = (
+                base64.b64decode(payload, validate=True)
+                if header.lower().endswith(";base64")
+                else urllib.parse.unquote_to_bytes(payload)
+            )
+        except ValueError as error:
+            raise MediaError(label, f"invalid base64 payload ({error})") from error
     try:
-        if part["type"] == VIDEO_PART_TYPE:
-            with av.open(source) as container:
-                if not container.streams.video:
-                    raise MediaError(label, "has no video stream")
-                next(container.decode(video=0))
-        else:
-            with Image.open(source) as image:
+        if part["type"] != VIDEO_PART_TYPE:
+            with Image.open(io.BytesIO(data) if data is not None else path) as image:
                 image.load()
-    except MediaError:
-        raise
-    except (av.error.FFmpegError, StopIteration, OSError, ValueError) as error:
-        raise MediaError(label, f"does not decode: {error or type(error).__name__}") from error
+            return
+        source = data if data is not None else path.read_bytes()
+        if sniff_media(source) == "video":
+            decode_frames(source, _VALIDATE_CONTRACT, limits=limits)
+        else:
+            load_manifest_frames(source, _EVERY_FRAME, media_root=settings.media_root, limits=limits)
+    except (VideoGRPOError, OSError) as error:
+        reason = error.reason if isinstance(error, (VideoDecodeError, ManifestError)) else str(error)
+        raise MediaError(label, f"does not decode: {reason}") from error
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -376,8 +432,23 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check Gym rows (JSONL) and their media")
     validate.add_argument("rows", type=Path)
     validate.add_argument("--media-root", required=True, type=Path)
-    validate.add_argument("--max-video-bytes", type=int, default=None)
+    validate.add_argument("--max-video-bytes", type=int, default=None, help="largest video, in bytes")
     validate.add_argument("--no-decode", action="store_true", help="skip decoding each video and image")
+    validate.add_argument(
+        "--max-frame-pixels",
+        type=int,
+        default=DEFAULT_LIMITS.max_frame_pixels,
+        help="largest frame area, width x height in pixels",
+    )
+    validate.add_argument(
+        "--max-frames", type=int, default=DEFAULT_LIMITS.max_frames, help="most frames a video may have"
+    )
+    validate.add_argument(
+        "--decode-timeout-s",
+        type=float,
+        default=DEFAULT_LIMITS.timeout_s,
+        help="longest decode of one video, in seconds",
+    )
     generate = commands.add_parser("generate", help="write synthetic clips and their rows")
     generate.add_argument("environment", choices=("video_mcqa", "video_segments"))
     generate.add_argument("output", type=Path)
@@ -410,7 +481,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {len(rows)} rows to {args.output}; {len(errors)} records could not be converted")
     else:
         settings = MediaSettings(media_root=media_root, max_video_bytes=args.max_video_bytes)
-        count, errors = validate_rows(args.rows, settings, decode=not args.no_decode)
+        limits = DecodeLimits(
+            max_frame_pixels=args.max_frame_pixels,
+            max_frames=args.max_frames,
+            timeout_s=args.decode_timeout_s,
+        )
+        count, errors = validate_rows(args.rows, settings, decode=not args.no_decode, limits=limits)
         bad_lines = len({error.line for error in errors})
         print(f"{count} rows, {count - bad_lines} valid, {bad_lines} invalid")
     source = args.input if args.command == "convert" else args.rows

@@ -43,6 +43,8 @@ TOOL_OUTPUT_MEDIA_POLICIES: tuple[str, ...] = get_args(ToolOutputMediaPolicy)
 
 # Message roles whose content Gym converts part by part (assistant content is text only).
 _MEDIA_ROLES = frozenset({"user", "system", "developer"})
+# Content part types of those messages that Gym converts (the Responses API's, plus input_video).
+_KNOWN_PART_TYPES = frozenset({"input_text", "input_image", "input_video", "input_file", "input_audio"})
 
 
 class MediaRequestError(ValueError):
@@ -73,7 +75,8 @@ def prepare_request_media(
 
     Raises:
         MediaRequestError: a part failed a check or could not be converted (the handler's
-            :class:`MediaError` text is the reason), or a tool output held media under ``"reject"``.
+            :class:`MediaError` text is the reason), a message part has an unknown type, or a tool
+            output held media under ``"reject"``.
     """
     if tool_output_media not in TOOL_OUTPUT_MEDIA_POLICIES:
         raise ValueError(
@@ -160,7 +163,15 @@ def _canonical_item(item: Any, location: str, settings: MediaSettings, pm: plugg
 
 
 def _canonical_part(part: Any, location: str, settings: MediaSettings, pm: pluggy.PluginManager) -> Any:
-    if not isinstance(part, dict) or part.get("type") not in MEDIA_PART_TYPES:
+    if not isinstance(part, dict):
+        return part  # Gym's own validation names non-object parts
+    if part.get("type") not in MEDIA_PART_TYPES:
+        if part.get("type") not in _KNOWN_PART_TYPES:
+            raise MediaRequestError(
+                location,
+                f"unknown content part type {part.get('type')!r}; message content parts are "
+                f"{', '.join(sorted(_KNOWN_PART_TYPES))}",
+            )
         return part
     try:
         pm.hook.validate_media(part=part, settings=settings)

@@ -130,12 +130,12 @@ class MediaStore:
         assert data is not None
         digest = hashlib.sha256(data).hexdigest()
         key = f"{part.kind}:{self.processor.fingerprint}:{digest}"
-        if file_id is not None:
-            self._file_keys[file_id] = key
         processed = self._by_key.get(key)
         if processed is None:
             processed = self._process(part, data)
             self._by_key[key] = processed
+        if file_id is not None:  # only once processed: a file that failed fails again, with its reason
+            self._file_keys[file_id] = key
         return processed
 
     def stats(self) -> StoreStats:
@@ -156,7 +156,14 @@ class MediaStore:
                 f"remote URL {ref.value[:80]!r}: the trainer does not fetch media",
             )
         if ref.kind == "data":
-            return None, _data_url_bytes(ref.value, part.location)
+            data = _data_url_bytes(ref.value, part.location)
+            if len(data) > self.limits.max_input_bytes:
+                raise MediaLoadError(
+                    "media_unavailable",
+                    part.location,
+                    f"the data: URL holds {len(data)} bytes, over the limit of {self.limits.max_input_bytes}",
+                )
+            return None, data
         try:
             path = resolve_local_media(ref.value, self.settings)
             stat = path.stat()

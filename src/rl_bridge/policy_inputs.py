@@ -45,6 +45,7 @@ from rl_bridge.trajectory import (
     prompt_media,
 )
 from vllm_video_plugin.cache import DecodeCache
+from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
 
 __all__ = ["MaskReason", "PolicyInputBuilder", "RolloutInputs", "SequenceInputs"]
 
@@ -134,15 +135,19 @@ class PolicyInputBuilder:
         settings: MediaSettings,
         *,
         decode_cache: DecodeCache | None = None,
+        limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
         """
         Args:
             processor: the policy's media processor (:func:`rl_bridge.processors.load_processor`).
             settings: where local media may be (``media_root``); the same root the Gym side uses.
             decode_cache: the frame cache; ``None`` means the process-wide shared one.
+            limits: resource bounds per media item (bytes, frame pixels, frame count, decode
+                time); media over them mask their sample (``media_unavailable`` for bytes,
+                ``media_undecodable`` for the rest).
         """
         self.processor = processor
-        self.store = MediaStore(processor, settings, decode_cache=decode_cache)
+        self.store = MediaStore(processor, settings, decode_cache=decode_cache, limits=limits)
         self.metrics = MediaMetrics()
 
     def prompt_media(self, prompt: str | Sequence[Any]) -> tuple[ProcessedMedia, ...]:

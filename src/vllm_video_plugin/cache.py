@@ -36,7 +36,14 @@ from typing import Any, Final
 import numpy as np
 
 from vllm_video_plugin.contract import VideoSamplingContract
-from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits, FrameBatch, VideoSourceInfo, decode_frames
+from vllm_video_plugin.decode import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    FrameBatch,
+    VideoSourceInfo,
+    check_limits,
+    decode_frames,
+)
 from vllm_video_plugin.sampling import FrameSample
 
 __all__ = [
@@ -135,6 +142,9 @@ class DecodeCache:
         """The frames ``contract`` samples from ``data``: from memory, else disk, else decoded
         (:func:`~vllm_video_plugin.decode.decode_frames`) and stored in both tiers.
 
+        A cached result is checked against ``limits`` too (bytes, frame size, frame count), so a
+        stricter caller is refused what a laxer one had decoded.
+
         Raises:
             VideoDecodeError, VideoSamplingError: as :func:`decode_frames`.
         """
@@ -144,16 +154,21 @@ class DecodeCache:
             if cached is not None:
                 self._entries.move_to_end(key)
                 self._memory_hits += 1
-                return cached
             pending = self._in_flight.get(key)
-            if pending is None:
+            owner = cached is None and pending is None
+            if owner:
                 pending = self._in_flight[key] = Future()
-                owner = True
-            else:
+            elif cached is None:
                 self._memory_hits += 1
-                owner = False
+        if cached is not None:
+            check_limits(cached.source, len(data), limits)
+            return cached
         if not owner:
-            return pending.result()
+            assert pending is not None
+            batch = pending.result()
+            check_limits(batch.source, len(data), limits)
+            return batch
+        assert pending is not None
         try:
             batch = self._load(key)
             if batch is None:
@@ -166,6 +181,7 @@ class DecodeCache:
                     self._disk_hits += 1
             self._remember(key, batch)
             pending.set_result(batch)
+            check_limits(batch.source, len(data), limits)  # a disk hit was decoded by someone else
             return batch
         except BaseException as error:
             pending.set_exception(error)

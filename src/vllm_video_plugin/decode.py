@@ -32,16 +32,17 @@ frame threading also delays output after every jump. ``threads > 1`` turns on fr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import av
 import av.error
@@ -58,6 +59,7 @@ __all__ = [
     "FrameBatch",
     "VideoSource",
     "VideoSourceInfo",
+    "check_limits",
     "decode_frames",
     "probe_video",
     "source_label",
@@ -83,6 +85,33 @@ class DecodeLimits:
     """Most frames a video may contain (default 500 000: 2.3 hours at 60 frames/s)."""
     timeout_s: float = 120.0
     """Wall-clock budget for one call, in seconds, checked between packets (default 120)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_bytes", "max_frame_pixels", "max_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeLimits.{name} must be a positive integer, got {value!r}")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"DecodeLimits.timeout_s must be a number of seconds >= 0, got {timeout!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, base: DecodeLimits | None = None) -> DecodeLimits:
+        """Limits from a configuration mapping (e.g. the ``decode_limits`` key of vLLM's media-io
+        ``"video"`` block): the given fields over ``base`` (``None``: the defaults).
+
+        Raises:
+            ValueError: an unknown key (named, with the known ones) or an invalid value.
+        """
+        if not isinstance(values, Mapping):
+            raise ValueError(
+                f"decode limits must be a mapping of field to value, got {type(values).__name__}"
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown decode limits {unknown}; the limits are {sorted(known)}")
+        return dataclasses.replace(base or cls(), **values)
 
 
 DEFAULT_LIMITS: Final = DecodeLimits()
@@ -256,6 +285,11 @@ class _Decoder:
         stream = container.streams.video[0]
         self.stream = stream
         context = stream.codec_context
+        if context is None:  # FFmpeg knows no codec for the stream's tag, or this build lacks it
+            raise self.fail(
+                f"the video stream's codec is not supported: this FFmpeg build (PyAV {av.__version__}) "
+                "has no decoder for it"
+            )
         if threads > 1:
             context.thread_type, context.thread_count = "FRAME", threads
         else:
@@ -482,6 +516,32 @@ class _Decoder:
                 f"frames {sorted(missing)} could not be decoded (the stream ended at {index} frames)"
             )
         return frames, seconds
+
+
+def check_limits(info: VideoSourceInfo, num_bytes: int, limits: DecodeLimits) -> None:
+    """Check what is known about an already decoded video against ``limits`` (all but the time):
+    for results served from a cache, which were decoded under the limits of their first caller.
+
+    Args:
+        info: the video's stream information.
+        num_bytes: size of its encoded input, in bytes.
+
+    Raises:
+        VideoDecodeError: naming ``info.label`` and the limit broken.
+    """
+    pixels = info.coded_width * info.coded_height
+    if num_bytes > limits.max_input_bytes:
+        reason = f"the input is {num_bytes} bytes, over the limit of {limits.max_input_bytes} bytes"
+    elif pixels > limits.max_frame_pixels:
+        reason = (
+            f"frames are {info.coded_width}x{info.coded_height} ({pixels} pixels), over the limit of "
+            f"{limits.max_frame_pixels} pixels"
+        )
+    elif info.num_frames_from_content > limits.max_frames:
+        reason = f"the video has {info.num_frames_from_content} frames, over the limit of {limits.max_frames}"
+    else:
+        return
+    raise VideoDecodeError(info.label, reason)
 
 
 def probe_video(source: VideoSource, *, limits: DecodeLimits = DEFAULT_LIMITS) -> VideoSourceInfo:

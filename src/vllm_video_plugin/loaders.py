@@ -15,7 +15,17 @@ vLLM calls :meth:`VideoGRPOLoader.load_bytes` with the media's bytes and the blo
   :func:`~vllm_video_plugin.manifest.load_manifest_frames` (not cached: a manifest's files can
   change under the same manifest bytes).
 
-Besides the contract's fields the block may hold ``media_root``, the directory JSON manifests'
+Besides the contract's fields the block may hold ``decode_limits``, resource bounds per video
+(the fields of :class:`~vllm_video_plugin.decode.DecodeLimits`: ``max_input_bytes``,
+``max_frame_pixels``, ``max_frames``, ``timeout_s``; unset ones keep their defaults), e.g.::
+
+    --media-io-kwargs '{"video": {..., "decode_limits": {"max_input_bytes": 268435456, "timeout_s": 30}}}'
+
+A request over a limit is answered HTTP 400 naming the limit. Per-request media-io kwargs (only
+with ``--trust-request-mm-kwargs``) can change the limits too: a server that trusts request
+kwargs trusts its clients with its resources.
+
+The block may also hold ``media_root``, the directory JSON manifests'
 frame paths are confined to. The environment variable
 :data:`~vllm_video_plugin.manifest.MEDIA_ROOT_ENV` sets it too; when both are set, ``media_root``
 may only narrow the environment's root (per-request media-io kwargs can set it, so the
@@ -40,13 +50,23 @@ from vllm.multimodal.video import VideoLoader
 
 from vllm_video_plugin.cache import shared_decode_cache
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
+from vllm_video_plugin.decode import DecodeLimits, source_label
+from vllm_video_plugin.errors import VideoDecodeError
 from vllm_video_plugin.manifest import MEDIA_ROOT_ENV, ManifestError, load_manifest_frames, sniff_media
 from vllm_video_plugin.sampling import FrameSample
 
-__all__ = ["MEDIA_ROOT_OPTION", "VideoGRPOLoader", "hf_video_metadata", "resolve_media_root"]
+__all__ = [
+    "DECODE_LIMITS_OPTION",
+    "MEDIA_ROOT_OPTION",
+    "VideoGRPOLoader",
+    "hf_video_metadata",
+    "resolve_media_root",
+]
 
 MEDIA_ROOT_OPTION = "media_root"
 """Key of the media-io ``"video"`` block naming the manifests' media root."""
+DECODE_LIMITS_OPTION = "decode_limits"
+"""Key of the media-io ``"video"`` block holding :class:`~vllm_video_plugin.decode.DecodeLimits` fields."""
 
 
 def resolve_media_root(option: str | os.PathLike[str] | None) -> Path | None:
@@ -93,6 +113,7 @@ class VideoGRPOLoader(VideoLoader):
         data: bytes,
         num_frames: int = -1,
         media_root: str | None = None,
+        decode_limits: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[NDArray[np.uint8], dict[str, Any]]:
         """Frames and metadata of one video.
@@ -102,6 +123,8 @@ class VideoGRPOLoader(VideoLoader):
             num_frames: the block's ``num_frames`` (``-1``: not set), as vLLM passes it.
             media_root: directory JSON manifests' frame paths are confined to (see
                 :func:`resolve_media_root`).
+            decode_limits: :class:`~vllm_video_plugin.decode.DecodeLimits` fields (``None``: the
+                defaults); ``max_input_bytes`` also bounds a manifest or bundle plus its frames.
             **kwargs: the other keys of the media-io ``"video"`` block: the contract's fields.
 
         Returns:
@@ -109,17 +132,26 @@ class VideoGRPOLoader(VideoLoader):
             decode cache) and :func:`hf_video_metadata`.
 
         Raises:
-            ValueError: an invalid contract (unknown key named), or
+            ValueError: an invalid contract or decode limit (unknown key named), or
                 :class:`~vllm_video_plugin.errors.VideoDecodeError`,
                 :class:`~vllm_video_plugin.errors.VideoSamplingError`,
                 :class:`~vllm_video_plugin.manifest.ManifestError` (all ``ValueError``: vLLM
                 answers the request with HTTP 400).
         """
         contract = VideoSamplingContract.from_media_io_kwargs({"num_frames": num_frames, **kwargs})
+        limits = DecodeLimits.from_mapping(decode_limits or {})
         if sniff_media(data) == "video":
-            batch = shared_decode_cache().get_or_decode(data, contract)
+            if len(data) > limits.max_input_bytes:
+                # Checked before the cache too: a cached decode skips the decoder's own checks.
+                raise VideoDecodeError(
+                    source_label(data),
+                    f"the input is {len(data)} bytes, over the limit of {limits.max_input_bytes} bytes",
+                )
+            batch = shared_decode_cache().get_or_decode(data, contract, limits=limits)
             assert batch.sample is not None  # decoded by contract
             return batch.data, hf_video_metadata(batch.sample)
-        frames = load_manifest_frames(data, contract, media_root=resolve_media_root(media_root))
+        frames = load_manifest_frames(
+            data, contract, media_root=resolve_media_root(media_root), limits=limits
+        )
         frames.data.flags.writeable = False
         return frames.data, hf_video_metadata(frames.sample)

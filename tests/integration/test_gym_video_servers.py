@@ -223,6 +223,6 @@ def test_sampling_contract_reaches_vllm_as_media_io_kwargs(gym_video_stack: GymV
     response = requests.post(
         f"{gym_video_stack.url(CONTRACT_MODEL_SERVER)}/v1/responses", json=params, timeout=60
     )
-    assert response.status_code == 500
+    assert response.status_code == 400  # vLLM's refusal passed through, not turned into a 500
     assert "Per-request media_io_kwargs are disabled" in response.text
     assert "parameter=media_io_kwargs" in response.text

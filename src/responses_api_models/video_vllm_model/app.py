@@ -14,6 +14,9 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   ``mm_processor_kwargs``; the ``/tokenize`` fallback for prompt token ids gets the same media kwargs.
 - Responses carry the contract (canonical JSON) in ``metadata["video_sampling_contract"]``, so a
   trainer knows how the frames of a trajectory were sampled.
+- A request vLLM refuses (HTTP 4xx: a video that does not decode, a ``file://`` URL outside its
+  allowed path, a decode limit) is answered with vLLM's status and error body, not as a server
+  error (the stock server does this for context-length errors only).
 """
 
 from __future__ import annotations
@@ -21,12 +24,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from aiohttp.client_exceptions import ClientResponseError
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from nemo_gym.base_responses_api_model import Body
-from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.openai_utils import (
+    NeMoGymChatCompletion,
+    NeMoGymChatCompletionCreateParamsNonStreaming,
+    NeMoGymResponse,
+    NeMoGymResponseCreateParamsNonStreaming,
+)
 from pydantic import PositiveInt, PrivateAttr, field_validator
-from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+from responses_api_models.vllm_model.app import (
+    _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE,  # the stock server's marker for "answer with vLLM's status"
+    VLLMModel,
+    VLLMModelConfig,
+)
 
 from gym_video_env import MediaSettings
 from gym_video_env.request_media import MediaRequestError, ToolOutputMediaPolicy, prepare_request_media
@@ -128,6 +141,20 @@ class VideoVLLMModel(VLLMModel):
                 CONTRACT_METADATA_KEY: self._contract.canonical_json(),
             }
         return response
+
+    async def chat_completions(
+        self,
+        request: Request,
+        body: NeMoGymChatCompletionCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
+    ) -> NeMoGymChatCompletion:
+        """The stock call, with vLLM's client errors (4xx) passed on as they are (see the module)."""
+        try:
+            return await super().chat_completions(request, body)
+        except ClientResponseError as error:
+            if 400 <= error.status < 500:
+                # The stock middleware then answers with vLLM's status and body.
+                setattr(error, _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, True)
+            raise
 
     def _preprocess_chat_completion_create_params(
         self, request: Request, body_dict: dict[str, Any]

@@ -49,10 +49,19 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from rl_bridge.loop.config import load_recipe
-    from rl_bridge.loop.sync import run_sync
 
     recipe = load_recipe(args.recipe, args.overrides)
-    summary = run_sync(recipe)
+    if recipe.mode == "async":
+        from rl_bridge.loop.async_grpo import run_async
+
+        summary = run_async(recipe, resume=args.resume)
+    elif args.resume:
+        print("video-grpo train: --resume needs an async recipe (mode: async)", file=sys.stderr)
+        return 2
+    else:
+        from rl_bridge.loop.sync import run_sync
+
+        summary = run_sync(recipe)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -81,9 +90,19 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = add("train", _cmd_train, "Train with sync GRPO (default: the tiny CPU recipe, everything started locally).")
+    p = add(
+        "train",
+        _cmd_train,
+        "Train with GRPO, sync or async as the recipe's mode says (default: the tiny CPU sync "
+        "recipe, everything started locally).",
+    )
     p.add_argument(
         "-r", "--recipe", type=Path, default=None, help="recipe YAML (default: the built-in tiny CPU recipe)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="async recipes: continue the run in the recipe's run_dir from its latest checkpoint",
     )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=5")
 

@@ -62,3 +62,26 @@ def test_letter_answers_need_one_output_token() -> None:
 def test_group_size_of_one_is_rejected() -> None:
     with pytest.raises(pydantic.ValidationError, match="group_size"):
         load_recipe(None, ["rollout.group_size=1"])
+
+
+def test_async_recipe_uses_the_async_key_and_round_trips() -> None:
+    path = project_root() / "recipes" / "tiny_cpu_async.yaml"
+    recipe = load_recipe(path, ["async.epochs=2", "async.max_age=3"])
+    assert recipe.mode == "async"
+    settings = recipe.async_
+    assert (settings.epochs, settings.max_age, settings.refit_pause_mode) == (2, 3, "keep")
+    assert recipe.train.loss.use_importance_sampling
+    dumped = recipe.model_dump(mode="json", by_alias=True)
+    assert dumped["async"]["epochs"] == 2
+    assert Recipe.model_validate(dumped) == recipe
+
+
+def test_async_settings_are_validated() -> None:
+    with pytest.raises(pydantic.ValidationError, match="cannot hold one step"):
+        load_recipe(None, ["rollout.prompts_per_step=8", "async.buffer_groups=4"])
+    with pytest.raises(pydantic.ValidationError, match="async.refit_pause_mode"):
+        load_recipe(None, ["async.refit_pause_mode=abort"])
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        load_recipe(None, ["async.max_staleness=1"])
+    with pytest.raises(pydantic.ValidationError, match="mode"):
+        load_recipe(None, ["mode=fully_async"])

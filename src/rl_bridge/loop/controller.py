@@ -14,11 +14,12 @@ on the held-out rows with greedy decoding.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,8 +30,13 @@ from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.roles import Roles
 from rl_bridge.loop.tasks import TaskData
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
+from vllm_video_plugin.refit import PauseMode
 
-__all__ = ["Controller", "timed", "with_sampling"]
+__all__ = ["MASKED_ROWS_FILE", "Controller", "timed", "with_sampling"]
+
+MASKED_ROWS_FILE = "masked_rows.jsonl"
+"""Run-directory file with one JSON line per masked row: ``task_id``, ``reason`` (the
+``masked/<reason>`` metric's), ``detail`` (the error) and ``media`` (the row's media references)."""
 
 
 @contextmanager
@@ -51,6 +57,27 @@ def with_sampling(row: Mapping[str, Any], temperature: float, max_output_tokens:
         "max_output_tokens": max_output_tokens,
     }
     return {**row, "responses_create_params": params}
+
+
+def _media(record: Mapping[str, Any]) -> list[str]:
+    """The references of the media parts in a row's prompt and, for a rollout, its output, in order
+    (a part without a valid reference as written; each cut to 200 characters)."""
+    from gym_video_env.handlers import media_ref
+    from gym_video_env.hookspecs import MediaError
+
+    prompt = (record.get("responses_create_params") or {}).get("input")
+    output = (record.get("response") or {}).get("output")
+    items = [*(prompt if isinstance(prompt, list) else []), *(output if isinstance(output, list) else [])]
+    refs = []
+    for item in items:
+        content = item.get("content") if isinstance(item, Mapping) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") in ("input_video", "input_image"):
+                try:
+                    refs.append(media_ref(part).value[:200])
+                except MediaError:
+                    refs.append(json.dumps(part)[:200])
+    return refs
 
 
 class Controller:
@@ -102,6 +129,11 @@ class Controller:
             with_sampling(p, r.temperature, r.max_output_tokens) for p in prompts for _ in range(r.group_size)
         ]
         results, stats = collect_rollouts(self.roles.agent_url, rows, self.rollout_settings)
+        self._log_masked(
+            (rows[res.index], f"rollout_{res.outcome}", res.error or "")
+            for res in results
+            if res.result is None
+        )
         rewards = [res.reward for res in results if res.reward is not None]
         metrics = stats.as_dict()
         metrics["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
@@ -129,13 +161,44 @@ class Controller:
             if inputs is not None and not inputs.masked
             for sample in inputs.to_policy_samples(advantage)
         ]
+        reasons = [
+            f"rollout_{res.outcome}" if inputs is None else inputs.mask_reason
+            for res, inputs in zip(results, built, strict=True)
+            if inputs is None or inputs.masked
+        ]
+        self._log_masked(
+            (res.result, inputs.mask_reason, inputs.mask_detail or "")
+            for res, inputs in zip(results, built, strict=True)
+            if res.result is not None and inputs is not None and inputs.masked
+        )
+        videos = [
+            sum(part.kind == "video" for part in inputs.trajectory.media)
+            for inputs in built
+            if inputs is not None and not inputs.masked and inputs.trajectory is not None
+        ]
         metrics = {
             "preprocess/samples": float(len(samples)),
             "preprocess/masked": float(len(results) - int(valid.sum())),
+            # Rows: trained + sum(masked/<reason>) == rollout/rows.
+            "preprocess/trained": float(int(valid.sum())),
+            **{f"masked/{reason}": float(reasons.count(reason)) for reason in sorted(set(reasons))},
+            "preprocess/media/videos_per_sample": sum(videos) / len(videos) if videos else 0.0,
             **{f"preprocess/{k}": float(v) for k, v in grouped.metrics().items()},
             **{f"preprocess/{k}": float(v) for k, v in self.inputs.metrics.as_dict().items()},
         }
         return samples, metrics
+
+    def _log_masked(self, records: Iterable[tuple[Mapping[str, Any], str, str]]) -> None:
+        """Append each masked ``(row or rollout record, reason, detail)`` to
+        ``<run_dir>/masked_rows.jsonl``: its ``task_id``, ``reason``, ``detail`` and ``media`` (the
+        references of its media parts)."""
+        lines = [
+            json.dumps({"task_id": row.get("task_id"), "reason": r, "detail": d, "media": _media(row)}) + "\n"
+            for row, r, d in records
+        ]
+        if lines:
+            with (self.run_dir / MASKED_ROWS_FILE).open("a", encoding="utf-8") as log:
+                log.writelines(lines)
 
     def logprobs(self, samples: list[Any]) -> list[Any]:
         """The samples with ``old_logprobs`` (and ``ref_logprobs`` when the KL weight is non-zero)."""
@@ -179,11 +242,17 @@ class Controller:
             "mismatch/seq_mult_prob_error_max": max(seq_errors),
         }
 
-    def refit(self, step: int) -> dict[str, float]:
-        """Export the weights and load them into vLLM as version ``step-<step>``."""
+    def refit(self, step: int, *, pause_mode: PauseMode = "wait") -> dict[str, float]:
+        """Export the weights and load them into vLLM as version ``step-<step>``.
+
+        ``pause_mode``: what vLLM does with requests running meanwhile (``"wait"``: they finish
+        on the old weights first; ``"keep"``: they are frozen and continue on the new ones).
+        """
         target = self.weights_dir / f"step-{step}"
+        if target.exists():  # exported before (a resumed run refits its checkpoint's version again)
+            shutil.rmtree(target)
         self.roles.policy.save_hf_checkpoint(target)
-        result = self.refit_client.refit(target, version=f"step-{step}")
+        result = self.refit_client.refit(target, version=f"step-{step}", pause_mode=pause_mode)
         for old in self.weights_dir.iterdir():
             if old != target:
                 shutil.rmtree(old)

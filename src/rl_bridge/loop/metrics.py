@@ -6,8 +6,9 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["STAGES", "RunMetrics", "read_metrics", "write_curves"]
+__all__ = ["STAGES", "RunMetrics", "read_metrics", "step_totals", "write_curves"]
 
 #: The timed stages of a step, in order (``time/<stage>_s`` metrics).
 STAGES = ("rollout", "preprocess", "logprobs", "train", "refit", "validation")
@@ -16,13 +17,23 @@ STAGES = ("rollout", "preprocess", "logprobs", "train", "refit", "validation")
 class RunMetrics:
     """Scalars per step to TensorBoard and ``metrics.jsonl``; the history feeds the PNG curves."""
 
-    def __init__(self, run_dir: Path, *, append: bool = False) -> None:
-        """``append``: continue a resumed run's ``metrics.jsonl`` (its records are read into
-        :attr:`history`) instead of starting a new one."""
+    def __init__(self, run_dir: Path, *, append: bool = False, drop_after: int | None = None) -> None:
+        """
+        Args:
+            run_dir: where ``metrics.jsonl`` and the ``tensorboard`` directory go.
+            append: continue a resumed run's ``metrics.jsonl`` (its records are read into
+                :attr:`history`) instead of starting a new one.
+            drop_after: with ``append``, first drop the records of steps after this one (steps
+                logged after the checkpoint a run resumes from, which it trains again); ``None``:
+                keep every record.
+        """
         from torch.utils.tensorboard import SummaryWriter
 
         path = run_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = read_metrics(path) if append and path.exists() else []
+        if drop_after is not None:
+            self.history = [r for r in self.history if r["step"] <= drop_after]
+            path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
         self.jsonl = path.open("a" if append else "w", encoding="utf-8")
 
@@ -94,3 +105,20 @@ def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: f
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """The records of a ``metrics.jsonl`` file, in order."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def step_totals(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """Summary figures over the training steps of ``history`` (records with ``time/step_s``):
+    mean seconds per stage and per step (``mean_stage_time_s``), rollout rows, rows ``ok`` and
+    masked samples."""
+    steps = [r for r in history if "time/step_s" in r]
+    mean_time = {
+        stage: sum(r.get(f"time/{stage}_s", 0.0) for r in steps) / max(len(steps), 1)
+        for stage in (*STAGES[:-1], "step")
+    }
+    return {
+        "mean_stage_time_s": mean_time,
+        "rows": sum(int(r.get("rollout/rows", 0)) for r in steps),
+        "rows_ok": sum(int(r.get("rollout/ok", 0)) for r in steps),
+        "masked": sum(int(r.get("preprocess/masked", 0)) for r in steps),
+    }

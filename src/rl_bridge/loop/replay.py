@@ -164,10 +164,17 @@ class ReplayBuffer:
     # -- collector side ----------------------------------------------------------------------------
 
     def claim(self, weight_version: int) -> Claim | None:
-        """The next position to generate, tagged with ``weight_version``; blocks while the buffer
-        is full. ``None``: the data is used up, or the buffer was closed."""
+        """The next position to generate, tagged with ``weight_version``.
+
+        Blocks while the buffer is full, and while the data is used up but buffered or claimed
+        groups may still be evicted (their positions then come back). ``None``: the buffer was
+        closed, or the data is used up and every group consumed (see :meth:`exhausted`).
+        """
         with self._cond:
-            while not self._closed and self._has_data() and self._occupied() >= self.capacity:
+            while not self._closed and (
+                (self._has_data() and self._occupied() >= self.capacity)
+                or (not self._has_data() and self._occupied() > 0)
+            ):
                 self._cond.wait()
             if self._closed or not self._has_data():
                 return None
@@ -200,7 +207,9 @@ class ReplayBuffer:
 
     # -- trainer side ------------------------------------------------------------------------------
 
-    def sample(self, n: int, weight_version: int, *, timeout_s: float | None = None) -> tuple[list[Group], int]:
+    def sample(
+        self, n: int, weight_version: int, *, timeout_s: float | None = None
+    ) -> tuple[list[Group], int]:
         """Take ``n`` complete groups, oldest first, for training at ``weight_version``.
 
         Groups older than ``max_age`` are evicted first (their positions are generated again).
@@ -246,10 +255,10 @@ class ReplayBuffer:
             return len(self._groups)
 
     def exhausted(self) -> bool:
-        """Whether every position of the data was generated and consumed or evicted-and-regenerated:
-        no more groups will come and none is buffered."""
+        """Whether every data position was handed out and its group consumed: no more groups
+        will come and none is buffered."""
         with self._cond:
-            return not self._has_data() and not self._ledger.claimed and not self._groups
+            return not self._has_data() and self._occupied() == 0
 
     def snapshot(self) -> tuple[dict[str, Any], list[Group]]:
         """The state to checkpoint: a JSON-able ledger (next position, positions to generate

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import STAGES, RunMetrics, write_curves
+from rl_bridge.loop.metrics import RunMetrics, step_totals, write_curves
 from rl_bridge.loop.roles import start_roles
 from rl_bridge.loop.tasks import prepare_task
 
@@ -44,7 +44,7 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2))
+    (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2, by_alias=True))
     chance = 1.0 / recipe.task.num_options
     started = time.monotonic()
     with ExitStack() as stack:
@@ -96,11 +96,6 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         write_curves(metrics.history, run_dir / "curves.png", chance=chance)
 
     reached = next((s for s, acc in history_val if acc >= recipe.validation.target_accuracy), None)
-    step_records = [r for r in metrics.history if "time/step_s" in r]
-    mean_time = {
-        stage: sum(r.get(f"time/{stage}_s", 0.0) for r in step_records) / max(len(step_records), 1)
-        for stage in (*STAGES[:-1], "step")
-    }
     summary = {
         "steps": step,
         "served_weight_version": served_version,
@@ -108,12 +103,9 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         "validation_accuracy": [{"step": s, "accuracy": a} for s, a in history_val],
         "first_step_at_target": reached,
         "target_accuracy": recipe.validation.target_accuracy,
-        "mean_stage_time_s": mean_time,
+        **step_totals(metrics.history),
         "setup_s": setup["time/setup_s"],
         "wall_s": time.monotonic() - started,
-        "rows": sum(int(r.get("rollout/rows", 0)) for r in step_records),
-        "rows_ok": sum(int(r.get("rollout/ok", 0)) for r in step_records),
-        "masked": sum(int(r.get("preprocess/masked", 0)) for r in step_records),
         "curves": str(run_dir / "curves.png"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,149 @@
+"""The real async GRPO loop through the CLI: killed mid-way, resumed, and run until the data ends.
+
+One run of 10 training rows, one pass, 4 groups per step (steps of 4, 4 and 2 groups) and a
+checkpoint after every step: ``video-grpo train`` is SIGKILLed (with every server it started) once
+a checkpoint appears, then ``video-grpo train --resume`` continues it. The resumed run must serve
+the checkpoint's weight version right after the resume, train every row exactly once over both
+parts (row ids in ``groups.jsonl``), end when the data runs out with exit code 0, and leave a
+final checkpoint and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROWS, PROMPTS, GROUP = 10, 4, 4
+STEPS = -(-ROWS // PROMPTS)  # 4 + 4 + 2 groups
+
+
+def _command(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rl_bridge.cli",
+        "train",
+        *extra,
+        f"run_dir={run_dir}",
+        "mode=async",
+        f"task.train_rows={ROWS}",
+        "task.val_rows=4",
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        f"rollout.max_in_flight={2 * GROUP}",
+        "train.steps=100",
+        "validation.every=0",
+        "async.epochs=1",
+        "async.checkpoint_every=1",
+        f"async.buffer_groups={2 * PROMPTS}",
+        "async.max_age=1",
+    ]
+
+
+def _kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``process``'s group and the process groups of everything it started (the servers
+    run in their own sessions, so killing the CLI's group alone would orphan them)."""
+    children = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for child in children:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"processes survived the kill: {alive}"
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("async")
+    run_dir = root / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with (root / "first.log").open("wb") as log:
+        first = subprocess.Popen(
+            _command(run_dir), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 900
+            while not list((run_dir / "checkpoints").glob("step-*/state.json")):
+                log_tail = (root / "first.log").read_text(errors="replace")[-3000:]
+                assert first.poll() is None, f"the first run exited early: {log_tail}"
+                assert time.monotonic() < deadline, "no checkpoint within 900 s"
+                time.sleep(0.5)
+        finally:
+            _kill_tree(first)
+    checkpoint = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    killed_at = json.loads((checkpoint / "state.json").read_text())["step"]
+    assert killed_at < STEPS, "the first run got to the last step before it was killed"
+    started = time.monotonic()
+    second = subprocess.run(
+        _command(run_dir, "--resume"), capture_output=True, env=env, timeout=900, check=False
+    )
+    return {
+        "run_dir": run_dir,
+        "killed_at": killed_at,
+        "returncode": second.returncode,
+        "output": (second.stdout + second.stderr).decode(errors="replace"),
+        "resume_wall_s": time.monotonic() - started,
+    }
+
+
+def test_run_that_runs_out_of_data_exits_0_with_final_checkpoint(resumed_run: dict) -> None:
+    run_dir = resumed_run["run_dir"]
+    assert resumed_run["returncode"] == 0, resumed_run["output"][-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["data_exhausted"] is True
+    assert summary["steps"] == STEPS
+    assert summary["served_weight_version"] == f"step-{STEPS}"
+    final = run_dir / "checkpoints" / f"step-{STEPS}"
+    assert Path(summary["checkpoint"]) == final
+    assert (final / "policy" / "meta.json").is_file()
+    state = json.loads((final / "state.json").read_text())
+    assert state["buffer"]["next_position"] == ROWS and state["buffer"]["pending"] == []
+    assert (final / "buffer.jsonl").read_text() == ""
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [final.name]  # no staging left
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+
+
+def test_resume_serves_the_checkpointed_weight_version(resumed_run: dict) -> None:
+    resumed = json.loads((resumed_run["run_dir"] / "resume.json").read_text())
+    k = resumed_run["killed_at"]
+    assert resumed["weight_version"] == k >= 1
+    assert resumed["served_weight_version"] == f"step-{k}"
+
+
+def test_every_group_is_trained_exactly_once_across_the_kill(resumed_run: dict) -> None:
+    run_dir = resumed_run["run_dir"]
+    groups = _records(run_dir / "groups.jsonl")
+    assert Counter(g["row_id"] for g in groups) == Counter(range(ROWS)), groups
+    assert sorted(g["position"] for g in groups) == list(range(ROWS))
+    per_step = Counter(g["step"] for g in groups)
+    assert per_step == {1: PROMPTS, 2: PROMPTS, 3: ROWS - 2 * PROMPTS}
+    assert all(0 <= g["age"] <= 1 for g in groups)
+
+    steps = [r for r in _records(run_dir / "metrics.jsonl") if "time/step_s" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]  # steps logged after the checkpoint were dropped
+    for record in steps:
+        rows = record["async/groups"] * GROUP
+        assert record["rollout/rows"] == rows
+        outcomes = ("rollout/ok", "rollout/content_failed", "rollout/infra_failed")
+        assert sum(record[name] for name in outcomes) == rows
+        assert record["preprocess/samples"] + record["preprocess/masked"] == rows
+        assert record["async/age_max"] <= 1
+        assert record["refit/weight_version"] == record["step"]

@@ -11,7 +11,9 @@ reset and weight-version endpoints). One :meth:`RefitClient.refit` call:
    repacks;
 3. ``POST /reset_prefix_cache``, ``/reset_encoder_cache``, ``/reset_mm_cache``: drop everything
    computed with the old weights (without the encoder-cache reset the next video request fails
-   with "Encoder cache miss");
+   with "Encoder cache miss"). With mode ``"keep"`` the frozen requests are preempted in the
+   prefix-cache reset, so their KV is recomputed with the new weights after the resume; a reset
+   the server reports as unsuccessful fails the refit;
 4. ``POST /update_weight_version``: the engine stamps this version on every output from now on
    (``GET /weight_info`` reports it);
 5. ``POST /resume``.
@@ -93,7 +95,14 @@ class RefitClient:
                 {"method": "reload_weights", "kwargs": {"weights_path": path}},
                 step=f"reload_weights from {path}",
             )
-            for cache in ("prefix", "encoder", "mm"):
+            # Requests frozen by mode "keep" hold KV blocks computed with the old weights, and
+            # vLLM refuses to reset a prefix cache whose blocks are held: preempt them, so they
+            # recompute their KV with the new weights when generation resumes.
+            query = "?reset_running_requests=true" if pause_mode == "keep" else ""
+            answer = self._post(f"/reset_prefix_cache{query}", step="reset the prefix cache")
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise RefitError(f"reset the prefix cache: the server answered {answer!r} (blocks still held)")
+            for cache in ("encoder", "mm"):
                 self._post(f"/reset_{cache}_cache", step=f"reset the {cache} cache")
             self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
         except RefitError as error:

@@ -14,8 +14,9 @@ import pytest
 import torch
 import yaml
 
+from rl_bridge.loop.async_grpo import run_async
 from rl_bridge.loop.config import HardwareError, Recipe, load_recipe
-from rl_bridge.loop.tasks import prepare_task
+from rl_bridge.loop.sync import run_sync
 from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit
@@ -135,9 +136,13 @@ def test_gpu_recipe_without_cuda_fails_before_building_anything(
     recipe = load_recipe(path, [f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(HardwareError, match=r"is GPU-only: it needs 8 CUDA GPUs .*CUDA is not available"):
         recipe.require_hardware()
-    with pytest.raises(HardwareError, match="GPU-only"):
-        prepare_task(recipe)
-    assert not (tmp_path / "run").exists(), "nothing is written before the hardware check"
+    earlier_run = tmp_path / "run" / "summary.json"
+    earlier_run.parent.mkdir()
+    earlier_run.write_text("{}")
+    for run in (run_sync, run_async):
+        with pytest.raises(HardwareError, match="GPU-only"):
+            run(recipe)
+    assert earlier_run.read_text() == "{}", "an earlier run directory is left alone when the hardware is missing"
 
 
 def test_gpu_recipe_needs_enough_gpus_and_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,6 +156,7 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         rl_bridge.services.process.ServiceError: a server did not start.
         vllm_video_plugin.refit.RefitError: a refit failed.
     """
+    recipe.require_hardware()  # before an old run directory is touched
     run_dir = recipe.run_dir.resolve()
     checkpoint: Path | None = None
     if resume:

@@ -40,6 +40,7 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         rl_bridge.services.process.ServiceError: a server did not start.
         vllm_video_plugin.refit.RefitError: a refit failed.
     """
+    recipe.require_hardware()  # before an old run directory is touched
     run_dir = recipe.run_dir.resolve()
     if run_dir.exists():
         shutil.rmtree(run_dir)

@@ -337,15 +337,11 @@ def checkpoint_dir(model: ModelSection) -> Path:
 
 
 def prepare_task(recipe: Recipe) -> TaskData:
-    """Check the hardware, get the checkpoint and write the task's clips under ``<run_dir>/media``.
+    """Get the checkpoint and write the task's clips under ``<run_dir>/media``.
 
     Deterministic in the recipe's seeds: a resumed run calls it again and gets the same rows.
-
-    Raises:
-        rl_bridge.loop.config.HardwareError: a GPU recipe on a machine without the GPUs (checked
-            before anything is built or written).
+    The loops check the hardware (:meth:`~rl_bridge.loop.config.Recipe.require_hardware`) first.
     """
-    recipe.require_hardware()
     media_root = recipe.run_dir.resolve() / "media"
     model_dir = checkpoint_dir(recipe.model)
     task = recipe.task

@@ -30,6 +30,7 @@ __all__ = [
     "ModelFamily",
     "ModelSection",
     "Recipe",
+    "RolePlacement",
     "RolloutSection",
     "TaskEnvironment",
     "TaskSection",

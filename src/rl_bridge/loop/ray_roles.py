@@ -1,0 +1,590 @@
+"""A run's roles as Ray actors: the vLLM server, the Gym servers and the Megatron policy workers.
+
+:func:`start_ray_roles` is the ``cluster.backend="ray"`` branch of
+:func:`rl_bridge.loop.roles.start_roles`. It connects to ``cluster.ray_address`` (or starts a local
+Ray instance) and creates one actor per role, each placed by its
+:class:`~rl_bridge.loop.config.RolePlacement` (logical CPUs, custom resources, a node id):
+
+* :class:`VLLMServerActor` starts the run's vLLM server (:func:`.roles.vllm_config`) as a child
+  process of the actor;
+* :class:`GymServersActor` starts the task's Gym servers (model server, resources server, agent);
+* ``cluster.policy_workers`` :class:`PolicyWorker` actors each hold one Megatron rank of the policy
+  (and of the reference policy, when the loss needs one), joined by torch.distributed
+  (:func:`rl_bridge.megatron.distributed.model_parallel_group`; rank 0's node hosts the
+  rendezvous). :class:`RayPolicy` is the driver's :class:`~.roles.PolicyHandle` over them: it
+  splits a batch over the data-parallel ranks and calls every worker.
+
+Services bind loopback when every client is on their node; a service with a client on another node
+binds all interfaces and is addressed by its node's IP (the vLLM server's dev-mode endpoints are
+then open to the cluster network). The server processes are watched by a small guardian process
+that kills their process groups when the actor's process is gone, however it ended, so no server
+outlives its actor. Every call into an actor that fails raises in the driver with the role's
+name added as a note (the exception keeps its type, e.g. ``ServiceError``).
+
+The actors read the model directory and the media root, and write logs under the run directory,
+by the driver's paths: on several hosts these must be on a shared file system (docs/RAY.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl_bridge.grpo import needs_reference
+from rl_bridge.loop.config import ClusterSection, Recipe, RolePlacement
+from rl_bridge.loop.roles import Roles, vllm_config
+from rl_bridge.loop.tasks import TaskData
+
+if TYPE_CHECKING:
+    import ray
+
+    from rl_bridge.megatron.batch import PolicySample
+    from rl_bridge.megatron.distributed import ParallelLayout, RankEnvironment
+    from rl_bridge.megatron.policy import PolicyConfig, PolicyLoss, TrainStepMetrics
+    from rl_bridge.services.gym_server import GymServerSpec
+    from rl_bridge.services.vllm_server import VLLMServerConfig
+
+__all__ = [
+    "GymServersActor",
+    "PolicyWorker",
+    "RayPolicy",
+    "VLLMServerActor",
+    "guard_process_groups",
+    "split_for_data_parallel",
+    "start_ray_roles",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Driver environment variables every actor gets too (offline mode must hold on every node).
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+#: Bind address of a service that clients on other nodes reach.
+ALL_INTERFACES = "0.0.0.0"
+#: Seconds an actor gets to stop its servers before it is killed.
+STOP_TIMEOUT_S = 60.0
+#: File under ``<run_dir>/logs`` describing where each role ran (node, process ids, URLs).
+PLACEMENT_FILE = "ray_roles.json"
+
+# The guardian: runs with `python -I -c`, argv = owner pid, process group ids. While its parent
+# (the owner) lives and a group has members it sleeps; once the owner is gone it SIGTERMs the
+# groups, waits up to 10 s, then SIGKILLs what is left. It exits when the groups are gone.
+_GUARDIAN = """
+import os, signal, sys, time
+owner, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
+def alive(group):
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+while os.getppid() == owner and any(map(alive, groups)):
+    time.sleep(0.5)
+for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+    for group in filter(alive, groups):
+        os.killpg(group, sig)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(map(alive, groups)):
+        time.sleep(0.2)
+"""
+
+
+def guard_process_groups(groups: Sequence[int]) -> subprocess.Popen[bytes]:
+    """Start a guardian that kills the process groups ``groups`` once this process is gone.
+
+    The guardian runs in its own session (so whatever kills this process's group spares it), polls
+    twice a second, and exits by itself when every group is empty. Terminate it after stopping the
+    groups normally.
+    """
+    return subprocess.Popen(
+        [sys.executable, "-I", "-c", _GUARDIAN, str(os.getpid()), *map(str, groups)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _node_info() -> dict[str, Any]:
+    import ray
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }
+
+
+def _advertised(url: str, host: str) -> str:
+    """``url`` (``http://127.0.0.1:PORT...``) with its host replaced by ``host``."""
+    scheme, _, rest = url.partition("://")
+    _, _, port_and_path = rest.partition(":")
+    return f"{scheme}://{host}:{port_and_path}"
+
+
+# -- actors (plain classes, wrapped with ray.remote by start_ray_roles) --------------------------------
+
+
+class VLLMServerActor:
+    """Holds the run's vLLM server, a child process of this actor."""
+
+    def __init__(self) -> None:
+        self._server: Any = None
+        self._guardian: subprocess.Popen[bytes] | None = None
+
+    def node_info(self) -> dict[str, Any]:
+        """This actor's Ray node id, node IP and process id."""
+        return _node_info()
+
+    def start(self, config: VLLMServerConfig, log_dir: str, *, expose: bool) -> dict[str, Any]:
+        """Start the server and wait until it is healthy.
+
+        Args:
+            config: the server's options.
+            log_dir: directory of ``vllm.log`` on this actor's node.
+            expose: bind all interfaces and advertise this node's IP (a client is on another node);
+                ``False``: loopback only.
+
+        Returns:
+            ``base_url``, ``openai_url``, ``model_name``, ``server_pid`` and ``server_ppid`` (the
+            parent of the server process, read from ``/proc``: this actor).
+        """
+        from rl_bridge.services.vllm_server import start_vllm_server
+
+        if expose:
+            config = config.model_copy(update={"extra_args": (*config.extra_args, "--host", ALL_INTERFACES)})
+        self._server = start_vllm_server(config, log_dir=log_dir)
+        self._guardian = guard_process_groups([self._server.process.pid])
+        base_url = self._server.base_url
+        if expose:
+            base_url = _advertised(base_url, _node_info()["node_ip"])
+        return {
+            "base_url": base_url,
+            "openai_url": f"{base_url}/v1",
+            "model_name": self._server.model_name,
+            "server_pid": self._server.process.pid,
+            "server_ppid": _parent_pid(self._server.process.pid),
+        }
+
+    def stop(self) -> None:
+        """Stop the server and its guardian (safe to call more than once)."""
+        if self._server is not None:
+            self._server.stop()
+        if self._guardian is not None:
+            self._guardian.terminate()
+            self._guardian.wait()
+
+
+class GymServersActor:
+    """Holds the task's Gym servers, child processes of this actor."""
+
+    def __init__(self) -> None:
+        self._servers: Any = None
+        self._guardian: subprocess.Popen[bytes] | None = None
+
+    def node_info(self) -> dict[str, Any]:
+        """This actor's Ray node id, node IP and process id."""
+        return _node_info()
+
+    def start(
+        self, specs: list[GymServerSpec], agent: str, run_dir: str, extra_roots: list[str], *, expose: bool
+    ) -> dict[str, Any]:
+        """Start the servers of ``specs`` and return the agent's URL and the server process ids.
+
+        Args:
+            expose: bind every server to this node's IP (the driver is on another node);
+                ``False``: loopback.
+        """
+        from rl_bridge.services.gym_server import start_gym_servers
+
+        if expose:
+            host = _node_info()["node_ip"]
+            specs = [dataclasses.replace(s, fields={**s.fields, "host": host}) for s in specs]
+        self._servers = start_gym_servers(
+            specs, run_dir=Path(run_dir), extra_roots=[Path(r) for r in extra_roots], timeout_s=600
+        )
+        pids = {name: process.pid for name, process in self._servers.processes.items()}
+        self._guardian = guard_process_groups(list(pids.values()))
+        return {"agent_url": self._servers.url(agent), "server_pids": pids}
+
+    def stop(self) -> None:
+        """Stop the servers and their guardian (safe to call more than once)."""
+        if self._servers is not None:
+            self._servers.stop()
+        if self._guardian is not None:
+            self._guardian.terminate()
+            self._guardian.wait()
+
+
+class PolicyWorker:
+    """One Megatron rank: the policy (and the frozen reference policy) in a torch.distributed group.
+
+    Without CUDA every call runs inside :func:`rl_bridge.megatron.cpu_support.cpu_execution`.
+    """
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._policies: dict[str, Any] = {}
+
+    def node_info(self) -> dict[str, Any]:
+        """This actor's Ray node id, node IP and process id."""
+        return _node_info()
+
+    def rendezvous_port(self) -> int:
+        """A free TCP port on this node's IP, for rank 0's torch.distributed store."""
+        from rl_bridge.services.process import free_port
+
+        return free_port(_node_info()["node_ip"])
+
+    def setup(
+        self,
+        environment: RankEnvironment,
+        *,
+        tensor_parallel: int,
+        seed: int,
+        model_dir: str,
+        config: PolicyConfig,
+        with_reference: bool,
+    ) -> ParallelLayout:
+        """Join the process group of ``environment`` and build the policy (and the reference).
+
+        Collective: every worker of the group must be in this call at the same time.
+        """
+        from rl_bridge.megatron.cpu_support import cpu_execution
+        from rl_bridge.megatron.distributed import model_parallel_group
+        from rl_bridge.megatron.policy import MegatronPolicy
+
+        with cpu_execution():
+            layout = self._stack.enter_context(
+                model_parallel_group(tensor_parallel=tensor_parallel, seed=seed, environment=environment)
+            )
+            self._policies["policy"] = MegatronPolicy(model_dir, config)
+            if with_reference:
+                self._policies["reference"] = MegatronPolicy(
+                    model_dir, dataclasses.replace(config, learning_rate=0.0)
+                )
+        return layout
+
+    def call(self, which: str, method: str, *args: Any) -> Any:
+        """``getattr(policy, method)(*args)`` on the policy ``which`` (``"policy"``/``"reference"``)."""
+        from rl_bridge.megatron.cpu_support import cpu_execution
+
+        with cpu_execution():
+            return getattr(self._policies[which], method)(*args)
+
+    def stop(self) -> None:
+        """Drop the policies and leave the process group (safe to call more than once)."""
+        self._policies.clear()
+        self._stack.close()
+
+
+# -- the driver's side ------------------------------------------------------------------------------
+
+
+def _gather(calls: Sequence[tuple[str, ray.ObjectRef]], *, timeout_s: float | None = None) -> list[Any]:
+    """The results of ``(role, ref)`` calls, in order; the first failure is raised at once, with a
+    note naming its role.
+
+    Raises:
+        TimeoutError: ``timeout_s`` seconds passed before every call returned (the message names
+            the roles still running).
+    """
+    import ray
+
+    roles = {ref: role for role, ref in calls}
+    pending = list(roles)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            waiting = ", ".join(roles[ref] for ref in pending)
+            raise TimeoutError(f"Ray roles did not answer within {timeout_s:.0f} s: {waiting}")
+        _get(roles[ready[0]], ready[0])
+    return [_get(role, ref) for role, ref in calls]
+
+
+def _get(role: str, ref: ray.ObjectRef) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref)
+    except Exception as exc:
+        exc.add_note(f"raised in Ray role {role!r}")
+        raise
+
+
+def split_for_data_parallel(batch: Sequence[PolicySample], size: int) -> list[list[PolicySample]]:
+    """``batch`` in ``size`` contiguous shares whose lengths differ by at most one.
+
+    A share that would be empty (``len(batch) < size``) holds a copy of ``batch[0]`` with zero loss
+    weight: it adds nothing to the loss, and its logprobs are dropped by the caller; a
+    data-parallel rank cannot skip a collective step.
+
+    Raises:
+        ValueError: ``batch`` is empty or ``size < 1``.
+    """
+    if not batch or size < 1:
+        raise ValueError(
+            f"split_for_data_parallel: need a non-empty batch and size >= 1, got {len(batch)} samples, "
+            f"size {size}"
+        )
+    base, extra = divmod(len(batch), size)
+    shares: list[list[PolicySample]] = []
+    start = 0
+    for rank in range(size):
+        end = start + base + (rank < extra)
+        shares.append(list(batch[start:end]) or [dataclasses.replace(batch[0], loss_weight=0.0)])
+        start = end
+    return shares
+
+
+class RayPolicy:
+    """The :class:`~rl_bridge.loop.roles.PolicyHandle` of a policy held by :class:`PolicyWorker` actors.
+
+    Every call goes to every worker (Megatron's methods are collective). A batch is split over the
+    data-parallel ranks (:func:`split_for_data_parallel`; the tensor-parallel ranks of one replica
+    get the same share); logprobs come back from each replica's first tensor-parallel rank, and
+    :meth:`train_step` returns rank 0's metrics (already reduced over the data-parallel ranks;
+    ``num_samples`` and token counts include the zero-weight fillers of shares that would be
+    empty). Paths are passed as they are: they must mean the same on every worker's node.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        which: str,
+        workers: Sequence[ray.actor.ActorHandle],
+        layouts: Sequence[ParallelLayout],
+    ) -> None:
+        self.name = name
+        self._which = which
+        self._workers = list(workers)
+        self._layouts = list(layouts)
+        self._data_parallel = layouts[0].data_parallel
+
+    def _role(self, rank: int) -> str:
+        return f"{self.name}[rank {rank}]"
+
+    def _call_all(self, method: str, per_worker_args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return _gather(
+            [
+                (self._role(layout.rank), worker.call.remote(self._which, method, *args))
+                for worker, layout, args in zip(self._workers, self._layouts, per_worker_args, strict=True)
+            ]
+        )
+
+    def logprobs(self, batch: Sequence[PolicySample]) -> list[Any]:
+        """Per-token logprobs of every sample (see :meth:`MegatronPolicy.logprobs`), in batch order."""
+        shares = split_for_data_parallel(batch, self._data_parallel)
+        results = self._call_all(
+            "logprobs", [(shares[layout.data_parallel_rank],) for layout in self._layouts]
+        )
+        by_replica = {
+            layout.data_parallel_rank: result
+            for layout, result in zip(self._layouts, results, strict=True)
+            if layout.tensor_parallel_rank == 0
+        }
+        out: list[Any] = []
+        remaining = len(batch)
+        for rank in range(self._data_parallel):
+            taken = by_replica[rank][: min(len(shares[rank]), remaining)]
+            out.extend(taken)
+            remaining -= len(taken)
+        return out
+
+    def train_step(self, batch: Sequence[PolicySample], loss_fn: PolicyLoss) -> TrainStepMetrics:
+        """One optimizer step on ``batch`` over all ranks (see :meth:`MegatronPolicy.train_step`)."""
+        shares = split_for_data_parallel(batch, self._data_parallel)
+        return self._call_all(
+            "train_step", [(shares[layout.data_parallel_rank], loss_fn) for layout in self._layouts]
+        )[0]
+
+    def save_hf_checkpoint(self, directory: str | Path) -> Path:
+        """Export the weights as an HF checkpoint in ``directory`` (rank 0 writes)."""
+        return self._call_all("save_hf_checkpoint", [(directory,)] * len(self._workers))[0]
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Write the training checkpoint (every rank writes its file) and return its directory."""
+        return self._call_all("save_checkpoint", [(directory,)] * len(self._workers))[0]
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        """Restore every rank from ``directory``; returns the restored step."""
+        return self._call_all("load_checkpoint", [(directory,)] * len(self._workers))[0]
+
+
+def _actor_options(
+    placement: RolePlacement, *, num_gpus: float, env: dict[str, str], name: str
+) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = {
+        "num_cpus": placement.num_cpus,
+        "num_gpus": num_gpus,
+        "resources": dict(placement.resources),
+        "runtime_env": {"env_vars": env},
+        "max_restarts": 0,
+        "name": name,
+    }
+    if placement.node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(placement.node_id, soft=False)
+    return options
+
+
+def _local_cpus(cluster: ClusterSection) -> int:
+    """Logical CPUs a local Ray instance needs to place every role of ``cluster`` (at least 1)."""
+    wanted = cluster.vllm.num_cpus + cluster.gym.num_cpus + cluster.policy_workers * cluster.policy.num_cpus
+    return max(1, math.ceil(wanted))
+
+
+def _connect(cluster: ClusterSection, run_dir: Path, stack: ExitStack) -> None:
+    """Connect to ``cluster.ray_address`` or start a local Ray instance, unless Ray is initialised
+    already; what this function started or connected is shut down by ``stack``."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    common: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "logging_level": logging.WARNING,
+    }
+    if cluster.ray_address is not None:
+        ray.init(address=cluster.ray_address, **common)
+        stack.callback(ray.shutdown)
+        return
+    context = ray.init(num_cpus=_local_cpus(cluster), num_gpus=None if cluster.use_gpus else 0, **common)
+    stack.callback(ray.shutdown)
+    logs = run_dir / "logs" / "ray"
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    logs.unlink(missing_ok=True)
+    logs.symlink_to(Path(context.address_info["session_dir"]) / "logs", target_is_directory=True)
+
+
+def _stop_actor(role: str, actor: ray.actor.ActorHandle) -> None:
+    """Ask ``actor`` to stop its servers, then kill it (also when stopping failed or timed out)."""
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - teardown goes on; the guardian reaps the servers
+        logger.warning("Ray role %r did not stop cleanly (%s); killing it", role, exc)
+    ray.kill(actor, no_restart=True)
+
+
+def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
+    """Start the roles of ``recipe`` as Ray actors (see the module docstring); ``stack`` stops them.
+
+    Where each role ran is written to ``<run_dir>/logs/ray_roles.json``.
+
+    Raises:
+        TimeoutError: an actor was not placed and started within ``cluster.actor_start_timeout_s``
+            (the message names the roles and the cluster's free resources).
+        rl_bridge.services.process.ServiceError: a server did not start (noted with its role).
+    """
+    import ray
+
+    from rl_bridge.megatron.distributed import RankEnvironment
+    from rl_bridge.paths import project_root
+
+    cluster = recipe.cluster
+    run_dir = recipe.run_dir.resolve()
+    _connect(cluster, run_dir, stack)
+    env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    gpus = 1.0 if cluster.use_gpus else 0.0
+    job = ray.get_runtime_context().get_job_id()
+
+    def create(cls: type, role: str, placement: RolePlacement, num_gpus: float) -> ray.actor.ActorHandle:
+        actor = ray.remote(cls).options(
+            **_actor_options(placement, num_gpus=num_gpus, env=env, name=f"{role}-{job}")
+        ).remote()
+        stack.callback(_stop_actor, role, actor)
+        return actor
+
+    vllm = create(VLLMServerActor, "vllm", cluster.vllm, gpus)
+    gym = create(GymServersActor, "gym", cluster.gym, 0.0)
+    ranks = [f"policy[rank {r}]" for r in range(cluster.policy_workers)]
+    workers = [create(PolicyWorker, role, cluster.policy, gpus) for role in ranks]
+    actors = dict(zip(["vllm", "gym", *ranks], [vllm, gym, *workers], strict=True))
+    try:
+        infos = _gather(
+            [(role, actor.node_info.remote()) for role, actor in actors.items()],
+            timeout_s=cluster.actor_start_timeout_s,
+        )
+        nodes = dict(zip(actors, infos, strict=True))
+    except TimeoutError as exc:
+        exc.add_note(f"free Ray resources: {ray.available_resources()}")
+        raise
+    driver_node = ray.get_runtime_context().get_node_id()
+
+    # Rendezvous of the policy workers: rank 0's node, a port free there.
+    master_port = _gather([("policy[rank 0]", workers[0].rendezvous_port.remote())])[0]
+    setup = [
+        (
+            f"policy[rank {rank}]",
+            worker.setup.remote(
+                RankEnvironment(
+                    rank=rank,
+                    world_size=len(workers),
+                    local_rank=0,  # Ray shows an actor only its own GPU
+                    master_addr=nodes["policy[rank 0]"]["node_ip"],
+                    master_port=master_port,
+                ),
+                tensor_parallel=cluster.tensor_parallel,
+                seed=recipe.seed,
+                model_dir=str(data.model_dir),
+                config=recipe.policy_config(),
+                with_reference=needs_reference(recipe.train.loss),
+            ),
+        )
+        for rank, worker in enumerate(workers)
+    ]
+    vllm_ref = vllm.start.remote(
+        vllm_config(recipe, data),
+        str(run_dir / "logs" / "vllm"),
+        expose=nodes["vllm"]["node_id"] not in {driver_node, nodes["gym"]["node_id"]},
+    )
+    served = _gather([("vllm", vllm_ref)])[0]
+    specs, agent = data.gym_specs(recipe, openai_url=served["openai_url"], model_name=served["model_name"])
+    gym_ref = gym.start.remote(
+        specs,
+        agent,
+        str(run_dir / "logs" / "gym"),
+        [str(project_root() / "src")],
+        expose=nodes["gym"]["node_id"] != driver_node,
+    )
+    gym_started, *layouts = _gather([("gym", gym_ref), *setup])
+
+    placement = {
+        "driver": {"node_id": driver_node, "pid": os.getpid()},
+        "roles": nodes,
+        "vllm": served,
+        "gym": gym_started,
+        "policy_layouts": [dataclasses.asdict(layout) | {"device": str(layout.device)} for layout in layouts],
+    }
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / PLACEMENT_FILE).write_text(json.dumps(placement, indent=2))
+    policy = RayPolicy("policy", "policy", workers, layouts)
+    reference = (
+        RayPolicy("reference", "reference", workers, layouts) if needs_reference(recipe.train.loss) else None
+    )
+    return Roles(
+        vllm_base_url=served["base_url"],
+        agent_url=gym_started["agent_url"],
+        policy=policy,
+        reference=reference,
+    )
+
+
+def _parent_pid(pid: int) -> int:
+    """The parent process id of ``pid`` (Linux ``/proc``)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])

@@ -1,0 +1,204 @@
+"""Two steps of the sync GRPO loop with every role in a Ray actor, on a local Ray cluster.
+
+The test starts a real one-node cluster (``ray start --head --block``, stopped afterwards) and runs
+:func:`rl_bridge.loop.sync.run_sync` with ``cluster.backend=ray`` against its address. Checks the
+accounting of the local sync-loop test (every row accounted for, vLLM serves ``step-2``, vLLM and
+trainer logprobs agree after the refit), that each role ran in its own actor process with the vLLM
+server a child of its actor, and that no server or actor process outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rl_bridge.loop.config import load_recipe
+from rl_bridge.loop.ray_roles import PLACEMENT_FILE
+from rl_bridge.loop.sync import run_sync
+from rl_bridge.services.process import ManagedProcess, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS, GROUP = 4, 4
+#: Logical CPUs of the test cluster: one each for the vLLM, Gym and policy-worker actors.
+CLUSTER_CPUS = 3
+#: Longest wait for ``ray start`` to report the cluster up, in seconds.
+CLUSTER_START_TIMEOUT_S = 240.0
+#: ``ray start`` tries: its node fails to start when the raylet's agents miss their start deadline.
+CLUSTER_START_ATTEMPTS = 2
+
+
+def _live_group_members(group: int) -> list[int]:
+    """Processes of process group ``group`` that are not zombies (Linux ``/proc``)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, _ppid, pgid = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(pgid) == group and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A one-node Ray cluster on loopback (no dashboard, no usage stats); its GCS address.
+
+    The cluster uses token authentication with a token of its own (not the user's
+    ``~/.ray/auth_token``); this process gets the same ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``
+    for the duration of the module, so the run's driver can connect.
+
+    The raylet gives its agent processes about 15 s to start; on a host whose cores are busy with
+    other work they can miss that, so where the user may raise priorities (root) the cluster starts
+    at nice -10 and is put back to normal priority once it is up (workers it starts later inherit
+    the raylet's priority).
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-"))  # short: Ray's socket paths must fit 107 bytes
+    token = temp_dir / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    saved = {name: os.environ.get(name) for name in auth}
+    process: ManagedProcess | None = None
+    try:
+        os.environ.update(auth)
+        for attempt in range(1, CLUSTER_START_ATTEMPTS + 1):
+            port = free_port()
+            process = _start_head(port, temp_dir, auth, attempt)
+            if process is not None:
+                break
+        else:
+            raise RuntimeError(f"ray start --head failed {CLUSTER_START_ATTEMPTS} times; logs in {temp_dir}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        if process is not None:
+            process.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _start_head(port: int, temp_dir: Path, env: dict[str, str], attempt: int) -> ManagedProcess | None:
+    """``ray start --head --block`` on ``port``, once it reports the cluster up; ``None`` when it
+    exited or timed out (it is stopped then)."""
+    ray = Path(sys.executable).with_name("ray")
+    argv = [
+        str(ray), "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp_dir}",
+        f"--num-cpus={CLUSTER_CPUS}", "--num-gpus=0", "--node-ip-address=127.0.0.1",
+        "--include-dashboard=false", "--disable-usage-stats",
+    ]  # fmt: skip
+    boosted = os.geteuid() == 0
+    if boosted:
+        argv = ["nice", "-n", "-10", *argv]
+    process = ManagedProcess("ray-head", argv, log_path=temp_dir / f"ray_start_{attempt}.log", env=env)
+    deadline = time.monotonic() + CLUSTER_START_TIMEOUT_S
+    while "Ray runtime started" not in process.log_tail(200):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.stop()
+            return None
+        time.sleep(0.5)
+    if boosted:
+        for pid in _live_group_members(process.pid):
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
+    return process
+
+
+@pytest.fixture(scope="module")
+def run(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], dict]:
+    run_dir = tmp_path_factory.mktemp("ray") / "run"
+    recipe = load_recipe(
+        None,
+        [
+            f"run_dir={run_dir}",
+            "train.steps=2",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.group_size={GROUP}",
+            "task.train_rows=8",
+            "task.val_rows=4",
+            "validation.every=2",
+            "cluster.backend=ray",
+            f"cluster.ray_address={ray_address}",
+        ],
+    )
+    summary = run_sync(recipe)
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    placement = json.loads((run_dir / "logs" / PLACEMENT_FILE).read_text())
+    return summary, history, placement
+
+
+def test_every_row_is_accounted_for(run: tuple[dict, list[dict], dict]) -> None:
+    summary, history, _ = run
+    steps = [r for r in history if "rollout/rows" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert record["rollout/rows"] == PROMPTS * GROUP
+        outcomes = record["rollout/ok"] + record["rollout/content_failed"] + record["rollout/infra_failed"]
+        assert outcomes == PROMPTS * GROUP
+        assert record["preprocess/samples"] + record["preprocess/masked"] == PROMPTS * GROUP
+        assert record["preprocess/media/placeholder_pass_rate"] == 1.0
+    assert summary["rows"] == 2 * PROMPTS * GROUP == summary["rows_ok"]
+    assert summary["masked"] == 0
+
+
+def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(
+    run: tuple[dict, list[dict], dict],
+) -> None:
+    summary, history, _ = run
+    assert summary["served_weight_version"] == "step-2"
+    step2 = next(r for r in history if r["step"] == 2 and "rollout/rows" in r)
+    assert step2["refit/weight_version"] == 2.0
+    assert 1.0 <= step2["mismatch/token_mult_prob_error"] < 1.01
+    assert step2["mismatch/seq_mult_prob_error_max"] < 1.05
+    assert [v["step"] for v in summary["validation_accuracy"]] == [0, 2]
+
+
+def test_each_role_ran_in_its_own_ray_actor(run: tuple[dict, list[dict], dict]) -> None:
+    _, _, placement = run
+    roles = placement["roles"]
+    assert set(roles) == {"vllm", "gym", "policy[rank 0]"}
+    actor_pids = {info["pid"] for info in roles.values()}
+    assert len(actor_pids) == 3
+    assert os.getpid() not in actor_pids and placement["driver"]["pid"] == os.getpid()
+    # The vLLM server was started by its actor; the Gym servers are other processes again.
+    assert placement["vllm"]["server_ppid"] == roles["vllm"]["pid"]
+    assert not actor_pids & set(placement["gym"]["server_pids"].values())
+    assert placement["policy_layouts"] == [
+        {
+            "rank": 0, "world_size": 1, "tensor_parallel": 1, "data_parallel": 1, "tensor_parallel_rank": 0,
+            "data_parallel_rank": 0, "device": "cpu", "backend": "gloo",
+        }
+    ]  # fmt: skip
+
+
+def test_no_server_or_actor_outlives_the_run(run: tuple[dict, list[dict], dict]) -> None:
+    _, _, placement = run
+    groups = [placement["vllm"]["server_pid"], *placement["gym"]["server_pids"].values()]
+    actors = [info["pid"] for info in placement["roles"].values()]
+    deadline = time.monotonic() + 30  # the raylet reaps killed actors asynchronously
+    while time.monotonic() < deadline and any(_alive(pid) for pid in actors):
+        time.sleep(0.5)
+    assert [pid for pid in actors if _alive(pid)] == []
+    assert {group: _live_group_members(group) for group in groups} == {group: [] for group in groups}

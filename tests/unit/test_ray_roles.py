@@ -1,0 +1,102 @@
+"""The Ray backend's pure parts: cluster config validation, the data-parallel split, the guardian."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pydantic
+import pytest
+import torch
+
+from rl_bridge.loop.config import load_recipe
+from rl_bridge.loop.ray_roles import split_for_data_parallel
+from rl_bridge.megatron.batch import PolicySample
+
+pytestmark = pytest.mark.unit
+
+
+def _sample(token: int) -> PolicySample:
+    ids = torch.tensor([token, token + 1])
+    return PolicySample(input_ids=ids, target_mask=torch.tensor([False, True]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.backend=ray", "cluster.policy_workers=3", "cluster.tensor_parallel=2"], "must divide"),
+        (["cluster.policy_workers=2"], "need cluster.backend='ray'"),
+        (["cluster.backend=ray", "cluster.vllm.gpus=1"], "Extra inputs"),
+    ],
+)
+def test_cluster_section_rejects_inconsistent_settings(overrides: list[str], message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        load_recipe(None, overrides)
+
+
+def test_cluster_section_accepts_placement() -> None:
+    cluster = load_recipe(
+        None,
+        [
+            "cluster.backend=ray",
+            "cluster.policy_workers=4",
+            "cluster.tensor_parallel=2",
+            "cluster.policy.resources={trainer: 1}",
+            "cluster.vllm.node_id=abc",
+        ],
+    ).cluster
+    assert cluster.policy.resources == {"trainer": 1.0}
+    assert (cluster.vllm.node_id, cluster.gym.num_cpus) == ("abc", 1.0)
+
+
+def test_split_keeps_order_and_balances() -> None:
+    batch = [_sample(i) for i in range(5)]
+    shares = split_for_data_parallel(batch, 2)
+    assert [[int(s.input_ids[0]) for s in share] for share in shares] == [[0, 1, 2], [3, 4]]
+
+
+def test_split_fills_empty_shares_with_zero_weight_copies() -> None:
+    shares = split_for_data_parallel([_sample(7)], 3)
+    assert [len(share) for share in shares] == [1, 1, 1]
+    assert [share[0].loss_weight for share in shares] == [1.0, 0.0, 0.0]
+    assert all(int(share[0].input_ids[0]) == 7 for share in shares)
+    with pytest.raises(ValueError, match="non-empty batch"):
+        split_for_data_parallel([], 2)
+
+
+_OWNER = """
+import sys, time
+from rl_bridge.loop.ray_roles import guard_process_groups
+from rl_bridge.services.process import ManagedProcess
+server = ManagedProcess("sleeper", ["sleep", "300"], log_path=sys.argv[1])
+guard_process_groups([server.pid])
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_guardian_kills_the_servers_of_a_killed_owner(tmp_path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(tmp_path / "sleeper.log")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        server = int(owner.stdout.readline())
+        os.killpg(server, 0)  # running
+        time.sleep(1.0)  # the guardian is polling
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(server, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the server group {server} outlived its killed owner")
+    finally:
+        owner.kill()
+        owner.wait()

@@ -42,10 +42,14 @@ steps (weights, gradients and optimizer state included).
 Usage (the full run needs a GPU with about 120 GB; ``--preset tiny`` runs anywhere, also on CPU)::
 
     python benchmarks/train_step.py --output benchmarks/results/train_step_h200.json
+    python benchmarks/train_step.py --tensor-parallel 1 2   # Megatron on one GPU and with TP=2 on two
     python benchmarks/train_step.py --preset tiny --steps 1
 
-Each side runs in its own subprocess (``--phase``) so that peak memory is per side; the parent
-prints the table and writes the JSON.
+Each side runs in its own subprocess (``--phase``) so that peak memory is per side: HF on one GPU,
+Megatron under torchrun with one process per GPU for each ``--tensor-parallel`` size
+(:func:`rl_bridge.megatron.distributed.model_parallel_group`). With several GPUs, throughput is the
+total, MFU is per GPU (model FLOP/s over the peak of all of them) and peak memory is the largest GPU's,
+each rank's being kept in the JSON. The parent prints the table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -345,7 +349,12 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(fn: Callable[[], Any], *, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
-    """Seconds per call of ``fn`` (mean, min, each) and peak allocated GiB over the measured calls."""
+    """Seconds per call of ``fn`` (mean, min, each) and peak allocated GiB over the measured calls.
+
+    Under torch.distributed with several ranks (``fn`` collective), each rank times its own calls
+    and the figures are the slowest rank's (``step_s``, ``steps_s``) and the largest peak
+    (``peak_gib``), with every rank's in ``step_s_per_rank`` and ``peak_gib_per_rank``.
+    """
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -358,7 +367,18 @@ def measure(fn: Callable[[], Any], *, device: torch.device, warmup: int, steps: 
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
-    return {"step_s": sum(times) / len(times), "min_step_s": min(times), "steps_s": times, "peak_gib": peak}
+    result = {"step_s": sum(times) / len(times), "min_step_s": min(times), "steps_s": times, "peak_gib": peak}
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return result
+    per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(per_rank, result)
+    slowest = max(per_rank, key=lambda r: r["step_s"])
+    return {
+        **slowest,
+        "peak_gib": None if peak is None else max(r["peak_gib"] for r in per_rank),
+        "step_s_per_rank": [r["step_s"] for r in per_rank],
+        "peak_gib_per_rank": [r["peak_gib"] for r in per_rank],
+    }
 
 
 def measure_run(
@@ -381,7 +401,8 @@ def measure_run(
         except torch.OutOfMemoryError as error:
             run[phase] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
         summary = run[phase].get("error") or f"{run[phase]['step_s']:.3f} s, peak {run[phase]['peak_gib']} GiB"
-        print(f"[{side}] {name} {phase}: {summary}", flush=True)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"[{side}] {name} {phase}: {summary}", flush=True)
     return run
 
 
@@ -490,15 +511,21 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
 
 
 @contextlib.contextmanager
-def megatron_runtime() -> Iterator[None]:
-    from rl_bridge.megatron.cpu_support import cpu_execution, single_process_group
+def megatron_runtime(tensor_parallel: int, seed: int) -> Iterator[torch.device]:
+    """This torchrun worker's process group and Megatron parallel state; yields its device."""
+    from rl_bridge.megatron.cpu_support import cpu_execution
+    from rl_bridge.megatron.distributed import model_parallel_group
 
-    with cpu_execution(), single_process_group():
-        yield
+    with cpu_execution(), model_parallel_group(tensor_parallel=tensor_parallel, seed=seed) as layout:
+        yield layout.device
 
 
 def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device) -> dict[str, Any]:
-    """Measure :class:`MegatronPolicy` on the shared checkpoint in the configurations of ``args.recompute``."""
+    """Measure :class:`MegatronPolicy` on the shared checkpoint in the configurations of ``args.recompute``.
+
+    Runs on every rank of a torchrun job of ``args.tensor_parallel`` processes (one model replica);
+    the result is complete on every rank.
+    """
     from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
@@ -516,7 +543,12 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     started = time.perf_counter()
     policy = MegatronPolicy(Path(args.workdir) / "checkpoint", config)
     build_s = time.perf_counter() - started
-    print(f"[megatron] built and loaded the checkpoint in {build_s:.1f} s", flush=True)
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        print(
+            f"[megatron] TP={args.tensor_parallel}: built and loaded the checkpoint in {build_s:.1f} s",
+            flush=True,
+        )
 
     samples = make_batch(preset.config, preset.batch, seed=args.seed)
 
@@ -555,7 +587,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         reference = torch.load(reference_path)
         deltas = torch.cat([(o[s.target_mask] - r).abs() for o, s, r in zip(old, samples, reference)])
         check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
-        print(f"[megatron] response logprobs vs HF (same weights, {config.dtype}): {check}", flush=True)
+        if rank0:
+            print(f"[megatron] response logprobs vs HF (same weights, {config.dtype}): {check}", flush=True)
     train_batch = policy_samples(old)
     loss = GRPOPolicyLoss(GRPOLossConfig())
 
@@ -575,6 +608,7 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         if prepare is not None:
             prepare(policy.model[0])
         settings = {
+            "tensor_parallel": args.tensor_parallel,
             "layer_spec": "local_sdpa",
             "vision_attention": "hf" if name == "megatron" else "segment_batched",
             "micro_batch_size": micro_batch_size,
@@ -582,6 +616,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
             "logprobs": "chunked, target positions only, logits in the model dtype",
             "optimizer": "megatron-core Adam, fp32 master weights and gradients",
         }
+        if args.tensor_parallel > 1:
+            name = f"{name}+tp{args.tensor_parallel}"
         runs.append(
             measure_run(
                 name,
@@ -624,20 +660,34 @@ def _profile(fn: Callable[[], Any], device: torch.device) -> str:
 # -- report ---------------------------------------------------------------------------------------
 
 
+def run_gpus(run: dict[str, Any]) -> int:
+    """GPUs (processes) one configuration ran on: its tensor-parallel size, 1 for HF."""
+    return int(run["settings"].get("tensor_parallel", 1))
+
+
 def add_rates(run: dict[str, Any], tokens: int, flops: dict[str, float], peak_tflops: float) -> None:
-    """Tokens/s and MFU of each measured phase of ``run``."""
+    """Tokens/s and MFU of each measured phase of ``run``, in total and per GPU.
+
+    ``mfu`` is the achieved model FLOP/s over the peak of all the run's GPUs, i.e. the mean MFU per
+    GPU; ``model_tflops_per_s`` and ``tokens_per_s`` are totals over the GPUs.
+    """
+    gpus = run_gpus(run)
     for phase, multiplier in (("logprobs", 1.0), ("train", 3.0)):
         if "error" in run[phase]:
             continue
         step = run[phase]["step_s"]
+        run[phase]["gpus"] = gpus
         run[phase]["tokens_per_s"] = tokens / step
+        run[phase]["tokens_per_s_per_gpu"] = tokens / step / gpus
         run[phase]["model_tflops_per_s"] = multiplier * flops["total"] / step / 1e12
-        run[phase]["mfu"] = run[phase]["model_tflops_per_s"] / peak_tflops
+        run[phase]["model_tflops_per_s_per_gpu"] = run[phase]["model_tflops_per_s"] / gpus
+        run[phase]["mfu"] = run[phase]["model_tflops_per_s"] / (peak_tflops * gpus)
 
 
 def table(runs: list[dict[str, Any]]) -> str:
+    """One line per configuration; tok/s is the total, MFU per GPU, peak GiB the largest GPU's."""
     header = (
-        f"{'configuration':<46} {'logprobs s':>10} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8}   "
+        f"{'configuration':<46} {'GPUs':>4} {'logprobs s':>10} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8}   "
         f"{'train s':>8} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -649,15 +699,33 @@ def table(runs: list[dict[str, Any]]) -> str:
                 cells.append(f"{r['error'][:40]:>{35 if phase == 'logprobs' else 33}}")
                 continue
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-            cells.append(f"{r['step_s']:>{10 if phase == 'logprobs' else 8}.3f} {r['tokens_per_s']:>8.0f} {r['mfu']:>6.1%} {peak:>8}")
-        lines.append(f"{run['name']:<46} {cells[0]}   {cells[1]}")
+            width = 10 if phase == "logprobs" else 8
+            cells.append(f"{r['step_s']:>{width}.3f} {r['tokens_per_s']:>8.0f} {r['mfu']:>6.1%} {peak:>8}")
+        lines.append(f"{run['name']:<46} {run_gpus(run):>4} {cells[0]}   {cells[1]}")
     return "\n".join(lines)
 
 
-def _run_phase(phase: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    out = Path(args.workdir) / f"{phase}{'-' + '-'.join(extra) if extra else ''}.json"
+def _run_phase(
+    phase: str, args: argparse.Namespace, extra: list[str], *, tensor_parallel: int = 1
+) -> dict[str, Any]:
+    """Run one side in its own process(es) and return its result.
+
+    The Megatron side runs under torchrun with ``tensor_parallel`` processes (one per GPU).
+    """
+    if phase == "megatron":
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={tensor_parallel}",
+        ]
+        extra = [*extra, "--tensor-parallel", str(tensor_parallel)]
+    else:
+        launcher = [sys.executable]
+    out = Path(args.workdir) / f"{'-'.join([phase, *(a.lstrip('-') for a in extra)])}.json"
     command = [
-        sys.executable,
+        *launcher,
         os.path.abspath(__file__),
         "--phase",
         phase,
@@ -678,46 +746,85 @@ def _run_phase(phase: str, args: argparse.Namespace, extra: list[str]) -> dict[s
         *(["--profile"] if args.profile else []),
         *extra,
     ]
-    print(f"== {' '.join(command[2:])}", flush=True)
+    print(f"== {' '.join(command[1:])}", flush=True)
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
+
+
+def _usable(run: dict[str, Any]) -> bool:
+    return "error" not in run["train"] and "error" not in run["logprobs"]
+
+
+def tensor_parallel_scaling(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Throughput and peak memory at TP = N > 1 over TP = 1, for each Megatron configuration measured at both.
+
+    Keys are ``"<TP=1 configuration name> tp<N>"``; ``*_speedup`` is the ratio of total tokens/s,
+    ``*_efficiency`` that speedup divided by N (1.0 = linear scaling), ``train_peak_memory`` the
+    ratio of the largest GPU's peak.
+    """
+    single = {r["name"]: r for r in runs if r["side"] == "megatron" and run_gpus(r) == 1 and _usable(r)}
+    out = {}
+    for run in runs:
+        tp = run_gpus(run)
+        base = single.get(run["name"].removesuffix(f"+tp{tp}"))
+        if run["side"] != "megatron" or tp == 1 or base is None or not _usable(run):
+            continue
+        entry = {}
+        for phase in ("logprobs", "train"):
+            speedup = run[phase]["tokens_per_s"] / base[phase]["tokens_per_s"]
+            entry[f"{phase}_speedup"] = speedup
+            entry[f"{phase}_efficiency"] = speedup / tp
+        if base["train"]["peak_gib"]:
+            entry["train_peak_memory"] = run["train"]["peak_gib"] / base["train"]["peak_gib"]
+        out[f"{base['name']} tp{tp}"] = entry
+    return out
 
 
 def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
     started = time.perf_counter()
     hf = _run_phase("hf", args, [])
-    megatron = _run_phase("megatron", args, [])
-    recompute = None
-    if not torch.cuda.is_available():
-        print("skipping the full-recompute run: it needs CUDA", flush=True)
-    elif args.recompute_budget_s > time.perf_counter() - started:
-        recompute = _run_phase("megatron", args, ["--recompute", "full"])
-    else:
-        print(f"skipping the full-recompute run: {args.recompute_budget_s} s budget spent", flush=True)
+    megatron = {tp: _run_phase("megatron", args, [], tensor_parallel=tp) for tp in args.tensor_parallel_sizes}
+    recompute = {}
+    for tp in args.tensor_parallel_sizes:
+        if not torch.cuda.is_available():
+            print("skipping the full-recompute run: it needs CUDA", flush=True)
+            break
+        if args.recompute_budget_s <= time.perf_counter() - started:
+            print(f"skipping the full-recompute run: {args.recompute_budget_s} s budget spent", flush=True)
+            break
+        recompute[tp] = _run_phase("megatron", args, ["--recompute", "full"], tensor_parallel=tp)
 
     samples = make_batch(preset.config, preset.batch, seed=args.seed)
     tokens = sum(s.input_ids.numel() for s in samples)
     flops = model_flops(preset.config, samples)
-    runs = hf["runs"] + megatron["runs"] + (recompute["runs"] if recompute else [])
+    runs = hf["runs"] + [r for m in megatron.values() for r in m["runs"]] + [
+        r for m in recompute.values() for r in m["runs"]
+    ]
     for run in runs:
         add_rates(run, tokens, flops, args.peak_tflops)
     baseline = runs[0]
-    measured = [r for r in megatron["runs"] if "error" not in r["train"] and "error" not in r["logprobs"]]
-    if "error" in baseline["train"] or "error" in baseline["logprobs"] or not measured:
+    if not _usable(baseline) or not any(_usable(r) for m in megatron.values() for r in m["runs"]):
         raise RuntimeError("the HF baseline or every Megatron configuration failed; see the log")
-    ours = min(measured, key=lambda r: r["train"]["step_s"])
-    ratios = {
-        "logprobs_tokens_per_s": ours["logprobs"]["tokens_per_s"] / baseline["logprobs"]["tokens_per_s"],
-        "train_tokens_per_s": ours["train"]["tokens_per_s"] / baseline["train"]["tokens_per_s"],
-    }
-    if baseline["train"]["peak_gib"]:
-        ratios["train_peak_memory"] = ours["train"]["peak_gib"] / baseline["train"]["peak_gib"]
-        ratios["logprobs_peak_memory"] = ours["logprobs"]["peak_gib"] / baseline["logprobs"]["peak_gib"]
+    # HF runs on one GPU: ours is the fastest single-GPU Megatron configuration.
+    single_gpu = [r for r in megatron.get(1, {"runs": []})["runs"] if _usable(r)]
+    ours = min(single_gpu, key=lambda r: r["train"]["step_s"]) if single_gpu else None
+    ratios = None
+    if ours is not None:
+        ratios = {
+            "logprobs_tokens_per_s": ours["logprobs"]["tokens_per_s"] / baseline["logprobs"]["tokens_per_s"],
+            "train_tokens_per_s": ours["train"]["tokens_per_s"] / baseline["train"]["tokens_per_s"],
+        }
+        if baseline["train"]["peak_gib"]:
+            ratios["train_peak_memory"] = ours["train"]["peak_gib"] / baseline["train"]["peak_gib"]
+            ratios["logprobs_peak_memory"] = ours["logprobs"]["peak_gib"] / baseline["logprobs"]["peak_gib"]
+    scaling = tensor_parallel_scaling(runs)
+    first = megatron[args.tensor_parallel_sizes[0]]
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     result = {
         "preset": args.preset,
         "device": device,
+        "gpus_on_host": torch.cuda.device_count(),
         "dtype": str(model_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))),
         "versions": _versions(),
         "batch": {
@@ -729,31 +836,46 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         },
         "model_flops_forward": flops,
         "mfu_formula": (
-            "MFU = k * model_flops_forward.total / step_s / peak; k = 1 (logprobs) or 3 (train step); "
+            "MFU = k * model_flops_forward.total / step_s / (peak * GPUs); "
+            "k = 1 (logprobs) or 3 (train step); "
             "model FLOPs = 2 * (weight matrix elements) per token or patch, text LM head included, "
             "+ attention 2*S^2*d per text layer (causal) and 4*sum(segment^2)*d per vision block"
         ),
         "peak_tflops": args.peak_tflops,
         "steps": args.steps,
         "warmup": args.warmup,
+        "tensor_parallel_sizes": args.tensor_parallel_sizes,
         "runs": runs,
         "baseline": baseline["name"],
-        "ours": ours["name"],
+        "ours": None if ours is None else ours["name"],
         "ratios_ours_over_baseline": ratios,
-        "logprob_check_vs_hf": megatron["logprob_check"],
-        "build_s": {"hf": hf["build_s"], "hf_save": hf["save_s"], "megatron": megatron["build_s"]},
-        "profile_megatron_train_step": megatron["profile"],
+        "tensor_parallel_scaling": scaling,
+        "logprob_check_vs_hf": {f"tp{tp}": m["logprob_check"] for tp, m in megatron.items()},
+        "build_s": {
+            "hf": hf["build_s"],
+            "hf_save": hf["save_s"],
+            **{f"megatron_tp{tp}": m["build_s"] for tp, m in megatron.items()},
+        },
+        "profile_megatron_train_step": first["profile"],
     }
     print()
     print(table(runs))
     print()
-    print(
-        f"ours = {ours['name']} vs {baseline['name']}: logprobs {ratios['logprobs_tokens_per_s']:.2f}x tokens/s, "
-        f"train step {ratios['train_tokens_per_s']:.2f}x tokens/s"
-        + (f", train peak memory {ratios['train_peak_memory']:.2f}x" if "train_peak_memory" in ratios else "")
-    )
-    if megatron["profile"]:
-        print("\nMegatron train step, top operators by device time:\n" + megatron["profile"])
+    if ours is not None and ratios is not None:
+        print(
+            f"ours = {ours['name']} vs {baseline['name']}: logprobs {ratios['logprobs_tokens_per_s']:.2f}x "
+            f"tokens/s, train step {ratios['train_tokens_per_s']:.2f}x tokens/s"
+            + (f", train peak memory {ratios['train_peak_memory']:.2f}x" if "train_peak_memory" in ratios else "")
+        )
+    for name, entry in scaling.items():
+        print(
+            f"{name}: train {entry['train_speedup']:.2f}x tokens/s "
+            f"({entry['train_efficiency']:.0%} of linear), logprobs {entry['logprobs_speedup']:.2f}x"
+            + (f", train peak per GPU {entry['train_peak_memory']:.2f}x" if "train_peak_memory" in entry
+               else "")
+        )
+    if first["profile"]:
+        print("\nMegatron train step, top operators by device time:\n" + first["profile"])
     return result
 
 
@@ -785,6 +907,15 @@ def main() -> None:
         default=math.inf,
         help="run the full-recompute configuration only if the other runs took less than this",
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="tensor-parallel sizes to measure the Megatron side at, each under torchrun with N processes "
+        "(one per GPU); e.g. '1 2' for one GPU and two. HF always runs on one GPU",
+    )
     parser.add_argument("--workdir", help="checkpoint and per-phase results; default: a temporary directory")
     parser.add_argument("--phase", choices=("hf", "megatron"), help=argparse.SUPPRESS)
     parser.add_argument("--phase-output", type=Path, help=argparse.SUPPRESS)
@@ -792,6 +923,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    args.tensor_parallel_sizes = list(dict.fromkeys(args.tensor_parallel))
+    if min(args.tensor_parallel_sizes) < 1:
+        parser.error("--tensor-parallel sizes must be >= 1")
+    if torch.cuda.is_available() and max(args.tensor_parallel_sizes) > torch.cuda.device_count():
+        parser.error(
+            f"--tensor-parallel {max(args.tensor_parallel_sizes)} needs as many GPUs; "
+            f"this host has {torch.cuda.device_count()}"
+        )
     preset = PRESETS[args.preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -800,8 +939,13 @@ def main() -> None:
         if args.phase == "hf":
             result = run_hf(args, preset, device)
         else:
-            with megatron_runtime():
-                result = run_megatron(args, preset, device)
+            if len(args.tensor_parallel_sizes) != 1:
+                parser.error("--phase megatron takes one --tensor-parallel size")
+            args.tensor_parallel = args.tensor_parallel_sizes[0]
+            with megatron_runtime(args.tensor_parallel, args.seed) as rank_device:
+                result = run_megatron(args, preset, rank_device)
+                if torch.distributed.get_rank() != 0:
+                    return
         args.phase_output.write_text(json.dumps(result))
         return
 

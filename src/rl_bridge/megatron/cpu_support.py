@@ -6,18 +6,22 @@ reduction, the CUDA RNG tracker's ``fork()`` around dropout,
 ``torch.zeros(..., device="cuda")`` in the pipeline schedules, ``torch.tensor(..., device="cuda")``
 and ``Tensor.cuda()`` in the optimizer, and an assertion on ``torch.cuda.FloatTensor`` in gradient
 clipping. This module holds the adjustments that make the model build,
-forward, backward, schedule and optimizer step run on CPU with world size 1:
+forward, backward, schedule and optimizer step run on CPU, with world size 1 or several gloo
+ranks:
 
 * :func:`cpu_execution`, held for as long as Megatron code runs:
   ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.current_stream()`` returns
   the CPU stream (whose event waits are no-ops); Megatron's RNG tracker is the no-op
   inference tracker (dropout then draws from torch's default CPU generator, which is exact for
-  tensor-parallel size 1); and a :class:`~torch.overrides.TorchFunctionMode` creates tensors asked
-  for on ``device="cuda"`` on the CPU and makes ``Tensor.cuda()`` return the tensor itself (the
-  schedules, the optimizer, DDP buffers, and the causal mask of the local ``DotProductAttention``).
+  tensor-parallel size 1 and for models without dropout, such as Qwen2.5-VL; with TP > 1 every rank
+  would draw the same dropout mask where Megatron draws one per rank); and a
+  :class:`~torch.overrides.TorchFunctionMode` creates tensors asked for on ``device="cuda"`` on the
+  CPU and makes ``Tensor.cuda()`` return the tensor itself (the schedules, the optimizer, DDP
+  buffers, and the causal mask of the local ``DotProductAttention``).
 * :func:`optimizer_config_for_host`: gradient clipping off (``clip_grad=0``).
-* :func:`single_process_group`: torch.distributed with world size 1 on a free loopback port and
-  Megatron's parallel state with TP = PP = 1.
+* :func:`single_process_group`: torch.distributed with world size 1 (an in-process store) and
+  Megatron's parallel state with TP = PP = 1 (the launcher-free case of
+  :func:`.distributed.model_parallel_group`, which runs one process per rank under torchrun).
 
 Every adjustment is a no-op when ``torch.cuda.is_available()`` is true, and every one is undone
 when its context exits. The device and RNG-tracker patches are process-wide while active; the
@@ -34,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from rl_bridge.services.process import free_port
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
@@ -147,39 +149,20 @@ def optimizer_config_for_host(config: OptimizerConfig) -> OptimizerConfig:
 def single_process_group(*, seed: int = 0) -> Iterator[None]:
     """torch.distributed with world size 1 and Megatron's parallel state with TP = PP = 1.
 
+    The world-size-1 case of :func:`.distributed.model_parallel_group`, for code that runs without
+    a launcher: rank 0 of 1 with an in-process store (no port), gloo on a host without CUDA and
+    NCCL on device 0 otherwise.
+
     Args:
         seed: seed of Megatron's model-parallel CUDA RNG states; used only when CUDA is available
             (on CPU, :func:`cpu_execution` installs the no-op tracker instead).
 
-    The backend is gloo on a host without CUDA and NCCL on device 0 otherwise; the rendezvous is
-    a free TCP port on 127.0.0.1. On exit the parallel state and the process group are destroyed.
+    On exit the parallel state and the process group are destroyed.
 
     Raises:
         RuntimeError: torch.distributed is already initialised in this process.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from rl_bridge.megatron.distributed import RankEnvironment, model_parallel_group
 
-    if torch.distributed.is_initialized():
-        raise RuntimeError(
-            "single_process_group: torch.distributed is already initialised in this process "
-            f"(backend {torch.distributed.get_backend()}, world size {torch.distributed.get_world_size()})"
-        )
-    use_cuda = not cpu_support_needed()
-    if use_cuda:
-        torch.cuda.set_device(0)
-    torch.distributed.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-    )
-    try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1
-        )
-        if use_cuda:
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with model_parallel_group(tensor_parallel=1, seed=seed, environment=RankEnvironment.single_process()):
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()

@@ -287,7 +287,8 @@ def forward_logits(
 
     Returns:
         ``[B, S, V]`` float logits, ``V`` the checkpoint's vocabulary size (padding sliced off).
-        Gradients flow when called with grad enabled. Multimodal RoPE positions are computed by
+        With tensor parallelism each rank holds its vocabulary shard ``[B, S, V_padded / TP]``
+        instead (:func:`.logprobs.token_logprobs` takes it with the TP group). Gradients flow when called with grad enabled. Multimodal RoPE positions are computed by
         the model from ``input_ids`` and the grids. The single-stage model (no pipelining) only.
     """
     if len(model) != 1:

@@ -16,9 +16,13 @@
 Parallelism: tensor and data parallelism as set up in megatron-core's parallel state (each
 data-parallel rank passes its own share of the batch; every tensor-parallel rank the same share);
 no pipeline or context parallelism, no sequence packing (samples are right-padded per
-micro-batch). All methods are collective over the ranks of the model. Use it with
-torch.distributed initialised and, on a host without CUDA, inside
-:func:`.cpu_support.cpu_execution` (see :func:`.model.build_policy`).
+micro-batch). Under tensor parallelism the language model's layers and output layer are sharded
+(logprobs use the vocabulary-parallel path of :func:`.logprobs.token_logprobs`), the HF vision
+tower is replicated, exports gather full HF tensors on every rank, and training checkpoints are
+per rank. All methods are collective over the ranks of the model. Use it with torch.distributed
+and Megatron's parallel state initialised (:func:`.distributed.model_parallel_group` under
+torchrun, :func:`.cpu_support.single_process_group` for one process) and, on a host without CUDA,
+inside :func:`.cpu_support.cpu_execution` (see :func:`.model.build_policy`).
 """
 
 from __future__ import annotations
@@ -297,11 +301,11 @@ class MegatronPolicy:
         self.pad_token_id = int(pad[0] if isinstance(pad, (list, tuple)) else pad)
         """Token id written at right-padding positions (the checkpoint's pad, else its EOS token)."""
         # megatron-core's output layer leaves the logits sharded over the vocabulary across
-        # tensor-parallel ranks unless the model gathers them (parallel_output=False).
+        # tensor-parallel ranks unless the language model gathers them (parallel_output=False).
         self._logits_tp_group = (
             parallel_state.get_tensor_model_parallel_group()
             if parallel_state.get_tensor_model_parallel_world_size() > 1
-            and getattr(model_config, "parallel_output", True)
+            and _vocab_parallel_logits(self._model[0])
             else None
         )
         self._step = 0
@@ -528,10 +532,10 @@ class MegatronPolicy:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the current weights as ``(hf_name, tensor)`` on the CPU, one tensor at a time.
 
-        Names and layouts are the HF checkpoint's (Megatron-Bridge gathers tensor-parallel shards
-        and splits fused projections). Collective: every rank of the model must iterate to the
-        end. A yielded tensor may share memory with a parameter: clone it to keep it across a
-        training step.
+        Names and layouts are the HF checkpoint's: Megatron-Bridge all-gathers the
+        tensor-parallel shards, so every rank receives the same full tensors, and splits fused
+        projections. Collective: every rank of the model must iterate to the end. A yielded tensor
+        may share memory with a parameter: clone it to keep it across a training step.
         """
         yield from self._bridge.export_hf_weights(self._model, cpu=True, show_progress=False)
 
@@ -563,7 +567,8 @@ class MegatronPolicy:
         ``model.safetensors.index.json``; every non-weight file of the source checkpoint (config,
         generation config, tokenizer, processor, chat template) is copied. The directory is
         assembled next to ``directory`` and renamed into place, so a reader never sees a partial
-        checkpoint; at most one shard is held in memory. Collective; rank 0 writes.
+        checkpoint; at most one shard is held in memory. Collective: every rank takes part in the
+        export, rank 0 alone writes (once, also under tensor or data parallelism).
 
         Returns:
             ``directory``.
@@ -606,11 +611,14 @@ class MegatronPolicy:
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Save model, optimizer, step counter and RNG state to ``directory`` (created if needed).
 
-        Each rank writes ``rank_<global rank>.pt`` (``torch.save`` of its state dicts); rank 0
-        then writes ``meta.json`` with the step and world size, last, so a checkpoint whose save
-        was interrupted has no ``meta.json`` and is refused by :meth:`load_checkpoint`. Resuming
-        needs the same parallel layout. Collective.
+        Each rank writes ``rank_<global rank>.pt`` (``torch.save`` of its state dicts: under tensor
+        parallelism its shards of the weights and optimizer state, and its own RNG states); rank 0
+        then writes ``meta.json`` with the step, world size and tensor-parallel size, last, so a
+        checkpoint whose save was interrupted has no ``meta.json`` and is refused by
+        :meth:`load_checkpoint`. Resuming needs the same parallel layout. Collective.
         """
+        from megatron.core import parallel_state
+
         target = Path(directory)
         rank = torch.distributed.get_rank()
         if rank == 0:
@@ -631,6 +639,7 @@ class MegatronPolicy:
                 "format": _CHECKPOINT_FORMAT,
                 "step": self._step,
                 "world_size": torch.distributed.get_world_size(),
+                "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
             }
             (target / _CHECKPOINT_META).write_text(json.dumps(meta))
         torch.distributed.barrier()
@@ -642,8 +651,11 @@ class MegatronPolicy:
         Raises:
             FileNotFoundError: ``directory`` has no complete checkpoint (no ``meta.json`` or no
                 file for this rank).
-            ValueError: the checkpoint was written with another world size or format.
+            ValueError: the checkpoint was written with another format, world size or
+                tensor-parallel size.
         """
+        from megatron.core import parallel_state
+
         source = Path(directory)
         meta_path = source / _CHECKPOINT_META
         rank_path = source / f"rank_{torch.distributed.get_rank():05d}.pt"
@@ -652,12 +664,14 @@ class MegatronPolicy:
                 f"load_checkpoint: {source} has no complete checkpoint ({meta_path.name}, {rank_path.name})"
             )
         meta = json.loads(meta_path.read_text())
-        world_size = torch.distributed.get_world_size()
-        if meta.get("format") != _CHECKPOINT_FORMAT or meta.get("world_size") != world_size:
-            raise ValueError(
-                f"load_checkpoint: {source} has format {meta.get('format')} and world size "
-                f"{meta.get('world_size')}; expected format {_CHECKPOINT_FORMAT} and world size {world_size}"
-            )
+        expected = {
+            "format": _CHECKPOINT_FORMAT,
+            "world_size": torch.distributed.get_world_size(),
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        }
+        found = {name: meta.get(name) for name in expected}
+        if found != expected:
+            raise ValueError(f"load_checkpoint: {source} has {found}; this run expects {expected}")
         state = torch.load(rank_path, map_location="cpu", weights_only=True)
         self._model[0].load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
@@ -686,6 +700,23 @@ def _write_safetensors(directory: Path, shards: Iterator[list[tuple[str, torch.T
         weight_map.update(dict.fromkeys(names, filename))
     index_json = {"metadata": {"total_size": sum(size for *_, size in written)}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+
+
+def _vocab_parallel_logits(module: torch.nn.Module) -> bool:
+    """Whether the GPT language model inside ``module`` returns logits sharded over the vocabulary.
+
+    Raises:
+        RuntimeError: ``module`` holds no (or more than one) megatron-core ``GPTModel``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    language_models = [m for m in module.modules() if isinstance(m, GPTModel)]
+    if len(language_models) != 1:
+        raise RuntimeError(
+            f"MegatronPolicy: expected one megatron-core GPTModel in {type(module).__name__}, "
+            f"found {len(language_models)}"
+        )
+    return bool(language_models[0].parallel_output)
 
 
 def _detached(value: torch.Tensor | float) -> torch.Tensor | float:

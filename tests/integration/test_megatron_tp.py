@@ -1,0 +1,103 @@
+"""MegatronPolicy with tensor parallelism 2 on CPU: two gloo ranks under torchrun against TP = 1.
+
+One launch of ``python -m torch.distributed.run --nproc-per-node 2 -m rl_bridge.megatron.tp_check``
+on the tiny Qwen2.5-VL (two key-value heads, so attention splits over two ranks) runs, on the same
+video batch in fp32: logprobs, a GRPO step, logprobs again, ``save_hf_checkpoint`` and a per-rank
+checkpoint save / step / load / repeated step at TP = 2; then the same logprobs, step and export at
+TP = 1 on rank 0. The tests read its JSON report and the files it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LOGPROB_TOLERANCE = 1e-5
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class TPRun:
+    report: dict
+    workdir: Path
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
+    from rl_bridge.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen2_5_vl", text_num_kv_heads=2)
+    root = tmp_path_factory.mktemp("megatron-tp")
+    report_path, workdir = root / "report.json", root / "work"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "rl_bridge.megatron.tp_check",
+        str(model),
+        "--learning-rate",
+        str(LEARNING_RATE),
+        "--tolerance",
+        str(LOGPROB_TOLERANCE),
+        "--workdir",
+        str(workdir),
+        "--output",
+        str(report_path),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert report_path.is_file(), f"tp_check wrote no report (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    report = json.loads(report_path.read_text())
+    assert done.returncode == 0, f"tp_check failed: {report['failures']}\n{done.stdout[-2000:]}"
+    return TPRun(report=report, workdir=workdir)
+
+
+def test_tp2_runs_on_two_gloo_ranks_and_its_logprobs_equal_tp1(tp_run: TPRun) -> None:
+    report = tp_run.report
+    assert (report["world_size"], report["tensor_parallel"], report["data_parallel"]) == (2, 2, 1)
+    assert (report["backend"], report["device"]) == ("gloo", "cpu")
+    assert report["logprobs_max_abs_diff"] <= LOGPROB_TOLERANCE, report["logprobs_max_abs_diff"]
+
+
+def test_one_train_step_at_tp2_matches_tp1(tp_run: TPRun) -> None:
+    report = tp_run.report
+    loss, grad_norm = report["loss"], report["grad_norm"]
+    assert loss["parallel"] == pytest.approx(loss["reference"], abs=1e-6)
+    assert loss["reference"] != 0.0  # advantages of both signs, unequal response lengths
+    assert grad_norm["parallel"] == pytest.approx(grad_norm["reference"], rel=1e-5)
+    assert report["updated_logprobs_max_abs_diff"] <= LOGPROB_TOLERANCE
+    # The step really changed the policy, by far more than the tolerance.
+    assert report["updated_logprobs_max_change"] > 1e4 * LOGPROB_TOLERANCE
+
+
+def test_exported_hf_weights_at_tp2_equal_tp1_after_the_step(tp_run: TPRun) -> None:
+    report = tp_run.report
+    assert report["weights_compared"] > 0
+    assert report["weights_only_in_parallel"] == report["weights_only_in_reference"] == []
+    assert report["weights_max_abs_diff"] <= LOGPROB_TOLERANCE, report["weights_max_abs_diff_name"]
+    assert report["weights_max_update"] == pytest.approx(LEARNING_RATE, rel=0.01)
+    # save_hf_checkpoint wrote one complete directory (rank 0 only), no leftover staging directory.
+    assert sorted(p.name for p in tp_run.workdir.iterdir()) == ["checkpoint-tp2", "hf-tp2"]
+    written = {p.name for p in (tp_run.workdir / "hf-tp2").iterdir()}
+    assert {"model.safetensors", "config.json"} <= written
+    assert not any(name.endswith(".partial") for name in written)
+
+
+def test_training_checkpoints_are_per_rank_and_resume_exactly(tp_run: TPRun) -> None:
+    checkpoint = tp_run.workdir / "checkpoint-tp2"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert (meta["world_size"], meta["tensor_parallel"], meta["step"]) == (2, 2, 1)
+    resume = tp_run.report["resume"]
+    assert resume["identical"] and resume["resumed_loss"] == resume["loss"], resume

@@ -5,11 +5,21 @@ open at a time. Each row ends in exactly one of three states, so a step's metric
 row (``rollout/rows == rollout/ok + rollout/content_failed + rollout/infra_failed``):
 
 - ``ok``: the agent answered 200 with a JSON object (its ``reward``, ``response`` and the row);
-- ``content_failed``: the agent refused the row itself (HTTP 4xx, e.g. a video the model server
-  rejects, or a 200 without a numeric ``reward``). Retrying cannot help; the row is masked;
+- ``content_failed``: the agent refused the row itself (HTTP 4xx, or a 200 without a numeric
+  ``reward``), or an inner server did: Gym's agents answer HTTP 500 for any failed inner call and
+  quote the inner answer, so a 5xx that quotes an OpenAI-style client error (``invalid_request_error``,
+  as the model server's media refusals, or ``BadRequestError``) is the row's fault too. Retrying
+  cannot help; the row is masked;
 - ``infra_failed``: connection errors, timeouts and HTTP 5xx persisted through ``max_attempts``
   dispatches. Each failed attempt is re-dispatched after a backoff; a row that still fails is
   masked.
+
+With a ``supervisor`` (e.g. a :class:`~rl_bridge.services.supervisor.ServiceSupervisor` of the vLLM
+server behind the agent), every infrastructure failure first asks it to make sure its server is
+healthy, restarting it if it died; that call blocks while a restart runs. A row whose failure came
+with a restart (the server's generation changed since the row was dispatched) is re-dispatched
+without using one of its ``max_attempts``: the row was fine, the server was not. Each row still
+ends exactly once, in one result.
 
 Uses threads and ``requests``: the agent does the slow work, the client only waits.
 """
@@ -21,13 +31,34 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import requests
 
-__all__ = ["RolloutOutcome", "RolloutResult", "RolloutSettings", "RolloutStats", "collect_rollouts"]
+__all__ = [
+    "RolloutOutcome",
+    "RolloutResult",
+    "RolloutSettings",
+    "RolloutStats",
+    "ServerGuard",
+    "collect_rollouts",
+]
 
 RolloutOutcome = Literal["ok", "content_failed", "infra_failed"]
+
+
+class ServerGuard(Protocol):
+    """Keeps a server behind the agent healthy (:class:`rl_bridge.services.supervisor.ServiceSupervisor`)."""
+
+    @property
+    def generation(self) -> int:
+        """Restarts so far (0 for the first launch)."""
+        ...
+
+    def ensure_healthy(self) -> int:
+        """Block until the server is healthy, restarting it if it is down; return its generation.
+        Raises ``rl_bridge.services.process.ServiceError`` when it cannot be brought back."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +94,10 @@ class RolloutResult:
     """Position of the row in the list given to :func:`collect_rollouts`."""
     outcome: RolloutOutcome
     attempts: int
-    """Dispatches made (1 when the first answer was final)."""
+    """Dispatches counted against ``max_attempts`` (1 when the first answer was final)."""
+    redispatches: int = 0
+    """Further dispatches after the supervised server was restarted under the row (not counted
+    in ``attempts``)."""
     result: dict[str, Any] | None = None
     """The agent's answer when ``outcome == "ok"``, else ``None``."""
     error: str | None = None
@@ -82,18 +116,28 @@ class RolloutStats:
     rows: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     retries: int = 0
-    """Re-dispatches after infrastructure errors (all rows together)."""
+    """Re-dispatches after infrastructure errors, counted against ``max_attempts`` (all rows)."""
+    redispatches: int = 0
+    """Re-dispatches after a restart of the supervised server (all rows)."""
+    server_restarts: int = 0
+    """Restarts of the supervised server during the call."""
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """``rollout/rows``, ``rollout/ok``, ``rollout/content_failed``, ``rollout/infra_failed``,
-        ``rollout/retries``, ``rollout/wall_s``."""
+        ``rollout/retries``, ``rollout/redispatches``, ``rollout/server_restarts``, ``rollout/wall_s``."""
         return {
             "rollout/rows": float(self.rows),
             **{f"rollout/{name}": float(self.outcomes[name]) for name in ("ok", "content_failed", "infra_failed")},
             "rollout/retries": float(self.retries),
+            "rollout/redispatches": float(self.redispatches),
+            "rollout/server_restarts": float(self.server_restarts),
             "rollout/wall_s": self.wall_s,
         }
+
+
+# Error types of an inner server's client-error answer, as quoted in a Gym agent's HTTP 500 body.
+_INNER_CLIENT_ERROR_MARKERS = ("invalid_request_error", "BadRequestError")
 
 
 class _InfraError(Exception):
@@ -104,15 +148,23 @@ class _ContentError(Exception):
     """A failure caused by the row; re-dispatching gives the same answer."""
 
 
+def _excerpt(text: str, head: int = 200, tail: int = 600) -> str:
+    """``text`` shortened to its start and its end: a Gym agent's error quotes the inner server's
+    answer, whose reason comes last."""
+    return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
+
+
 def _run_once(session: requests.Session, url: str, row: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
     try:
         response = session.post(url, json=row, timeout=timeout_s)
     except (requests.ConnectionError, requests.Timeout) as error:
         raise _InfraError(f"{type(error).__name__}: {error}") from error
     if response.status_code >= 500:
-        raise _InfraError(f"HTTP {response.status_code}: {response.text[:500]}")
+        if any(marker in response.text for marker in _INNER_CLIENT_ERROR_MARKERS):
+            raise _ContentError(f"HTTP {response.status_code}, an inner client error: {_excerpt(response.text)}")
+        raise _InfraError(f"HTTP {response.status_code}: {_excerpt(response.text)}")
     if response.status_code != 200:
-        raise _ContentError(f"HTTP {response.status_code}: {response.text[:500]}")
+        raise _ContentError(f"HTTP {response.status_code}: {_excerpt(response.text)}")
     try:
         body = response.json()
     except ValueError as error:
@@ -128,6 +180,7 @@ def collect_rollouts(
     rows: Sequence[Mapping[str, Any]],
     settings: RolloutSettings | None = None,
     *,
+    supervisor: ServerGuard | None = None,
     on_done: Callable[[RolloutResult], None] | None = None,
 ) -> tuple[list[RolloutResult], RolloutStats]:
     """Run every row through ``<agent_url>/run``; see the module docstring for the outcomes.
@@ -136,39 +189,62 @@ def collect_rollouts(
         agent_url: the agent server's base URL, e.g. ``http://127.0.0.1:8123``.
         rows: Gym rows (``responses_create_params`` plus the verifier's fields), posted as they are.
         settings: dispatch settings; ``None`` means the defaults.
+        supervisor: keeps the server behind the agent (vLLM) up; rows in flight when it is
+            restarted are re-dispatched. ``None``: infrastructure failures are only retried.
         on_done: called in the caller's thread once per finished row (e.g. to advance a progress bar).
 
     Returns:
         One result per row, in row order, and the call's counts.
+
+    Raises:
+        rl_bridge.services.process.ServiceError: the supervisor could not bring its server back;
+            rows not yet finished are abandoned (no result is returned).
     """
     settings = settings or RolloutSettings()
     url = agent_url.rstrip("/") + "/run"
     stats = RolloutStats(rows=len(rows))
     started = time.monotonic()
+    first_generation = supervisor.generation if supervisor is not None else 0
 
     def run(index: int) -> RolloutResult:
         error = ""
+        attempts = redispatches = 0
         with requests.Session() as session:
-            for attempt in range(1, settings.max_attempts + 1):
-                if attempt > 1:
-                    time.sleep(settings.backoff_s * 2 ** (attempt - 2))
+            while attempts < settings.max_attempts:
+                generation = supervisor.generation if supervisor is not None else 0
                 try:
-                    return RolloutResult(index, "ok", attempt, result=_run_once(session, url, rows[index], settings.timeout_s))
+                    result = _run_once(session, url, rows[index], settings.timeout_s)
+                    return RolloutResult(index, "ok", attempts + 1, redispatches, result=result)
                 except _ContentError as failure:
-                    return RolloutResult(index, "content_failed", attempt, error=str(failure))
+                    error = str(failure)
+                    return RolloutResult(index, "content_failed", attempts + 1, redispatches, error=error)
                 except _InfraError as failure:
                     error = str(failure)
-        return RolloutResult(index, "infra_failed", settings.max_attempts, error=error)
+                if supervisor is not None and supervisor.ensure_healthy() != generation:
+                    redispatches += 1  # the server was restarted under this row: not the row's fault
+                    continue
+                attempts += 1
+                if attempts < settings.max_attempts:
+                    time.sleep(settings.backoff_s * 2 ** (attempts - 1))
+        return RolloutResult(index, "infra_failed", attempts, redispatches, error=error)
 
     results: list[RolloutResult | None] = [None] * len(rows)
-    with ThreadPoolExecutor(max_workers=settings.max_in_flight, thread_name_prefix="rollout") as pool:
+    pool = ThreadPoolExecutor(max_workers=settings.max_in_flight, thread_name_prefix="rollout")
+    try:
         futures = [pool.submit(run, index) for index in range(len(rows))]
         for future in as_completed(futures):
             result = future.result()
             results[result.index] = result
             stats.outcomes[result.outcome] += 1
             stats.retries += result.attempts - 1
+            stats.redispatches += result.redispatches
             if on_done is not None:
                 on_done(result)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    if supervisor is not None:
+        stats.server_restarts = supervisor.generation - first_generation
     stats.wall_s = time.monotonic() - started
     return [r for r in results if r is not None], stats

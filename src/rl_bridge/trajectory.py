@@ -329,11 +329,15 @@ def _token_fields(item: Mapping[str, Any], where: str) -> tuple[list[int], list[
             raise TrajectoryError(
                 "malformed", f"{where}.generation_log_probs[{position}]", f"must be a number, got {value!r}"
             )
-        if not math.isfinite(value):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the float range
+            number = math.inf
+        if not math.isfinite(number):
             raise TrajectoryError(
                 "non_finite_logprob", f"{where}.generation_log_probs[{position}]", f"is {value}"
             )
-        logprobs.append(float(value))
+        logprobs.append(number)
     return prompt_ids, generation_ids, logprobs
 
 
@@ -375,7 +379,7 @@ def _item_media(item: Any, where: str) -> list[MediaPart]:
         output = item.get("output")
         if isinstance(output, list):
             for position, part in _parts(output, f"{where}.output"):
-                if part.get("type") in _MEDIA_PART_KINDS:
+                if _media_kind(part.get("type")) is not None:
                     raise TrajectoryError(
                         "media_in_tool_output",
                         f"{where}.output[{position}]",
@@ -384,7 +388,7 @@ def _item_media(item: Any, where: str) -> list[MediaPart]:
                     )
         return []
     role = item.get("role")
-    if kind not in (None, "message") or role not in _MEDIA_ROLES:
+    if kind not in (None, "message") or not isinstance(role, str) or role not in _MEDIA_ROLES:
         return []  # function calls, reasoning, assistant text: no media
     content = item.get("content")
     if content is None or isinstance(content, str):
@@ -397,9 +401,9 @@ def _item_media(item: Any, where: str) -> list[MediaPart]:
     for position, part in _parts(content, f"{where}.content"):
         location = f"{where}.content[{position}]"
         part_type = part.get("type")
-        if part_type in _TEXT_PART_TYPES:
+        if isinstance(part_type, str) and part_type in _TEXT_PART_TYPES:
             continue
-        media_kind = _MEDIA_PART_KINDS.get(part_type)  # type: ignore[arg-type]
+        media_kind = _media_kind(part_type)
         if media_kind is None:
             raise TrajectoryError(
                 "unsupported_content",
@@ -408,10 +412,15 @@ def _item_media(item: Any, where: str) -> list[MediaPart]:
             )
         try:
             ref = media_ref(dict(part))
-        except MediaError as error:
+        except (MediaError, ValueError) as error:  # ValueError: a URL urllib cannot split
             raise TrajectoryError("invalid_media", location, str(error)) from error
         media.append(MediaPart(kind=media_kind, part=part, ref=ref, location=location))
     return media
+
+
+def _media_kind(part_type: Any) -> MediaKind | None:
+    """``"video"`` or ``"image"`` for a media part's ``type``; ``None`` for anything else (any JSON)."""
+    return _MEDIA_PART_KINDS.get(part_type) if isinstance(part_type, str) else None
 
 
 def _parts(parts: list[Any], where: str) -> Iterator[tuple[int, Mapping[str, Any]]]:

@@ -46,6 +46,7 @@ __all__ = [
 
 QWEN3_UNKNOWN_FPS: Final = 24.0
 """Source rate, in frames per second, that Qwen3-VL (HF and vLLM) assumes when a video reports none."""
+_MS_PER_S: Final = 1000.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ def _check_duration(duration_s: float) -> None:
 
 
 def _check_fps(source_fps: float, style: str) -> None:
-    if not math.isfinite(source_fps) or source_fps <= 0:
+    # A rate so small that one frame's duration in milliseconds overflows is as unusable as none.
+    if not math.isfinite(source_fps) or source_fps <= 0 or not math.isfinite(_MS_PER_S / source_fps):
         raise VideoSamplingError(
             f"style {style!r} needs the video's frame rate, got {source_fps} frames/s (unknown or invalid)"
         )
@@ -108,8 +110,8 @@ def uniform_indices(
     count = total_frames
     if num_frames is not None:
         count = min(num_frames, total_frames)
-    if fps is not None:
-        count = min(count, math.floor(duration_s * fps))
+    if fps is not None and duration_s * fps < count:  # a product too large for a float caps nothing
+        count = math.floor(duration_s * fps)
     count = max(1, count)
     if count == total_frames:
         return list(range(count))
@@ -137,6 +139,10 @@ def nemotron_rounded_indices(
     if count <= 1 or duration_s <= 0 or total_frames <= 1:
         return [0] * count
     fps = total_frames / duration_s
+    if not math.isfinite(fps):
+        # A duration so short that the rate overflows: round(t * fps) is then exactly the rounded
+        # linspace over the frame indices, which is what the timestamps stand for.
+        return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
     timestamps = np.linspace(0.0, (total_frames - 1) / fps, count, dtype=float)
     return [max(0, min(round(float(t) * fps), total_frames - 1)) for t in timestamps]
 
@@ -208,10 +214,17 @@ def qwen3_vl_indices(
     ``n = int(total / source_fps * min(fps, 30))`` clamped to ``[min_frames, max_frames]`` and to
     ``total``; indices ``np.linspace(0, total - 1, n).round()`` (half to even). An unknown
     ``source_fps`` (``<= 0``) counts as :data:`QWEN3_UNKNOWN_FPS`.
+
+    Raises:
+        VideoSamplingError: a positive ``source_fps`` that is not a usable rate (infinite, or so
+            small that a frame's duration overflows).
     """
     _check_total(total_frames)
+    if source_fps > 0:
+        _check_fps(source_fps, "qwen3_vl")
     rate = source_fps if source_fps > 0 else QWEN3_UNKNOWN_FPS
-    count = int(total_frames / rate * min(fps, 30))
+    # Clamped to the total before int(): total / rate can overflow to inf (same count otherwise).
+    count = int(min(total_frames / rate * min(fps, 30), total_frames))
     count = min(max(count, min_frames), max_frames, total_frames)
     return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
 
@@ -223,7 +236,7 @@ def nemotron_prompt_timestamps(indices: Sequence[int], source_fps: float) -> tup
     is at ``30 * 33 / 1000 = 0.99`` s.
     """
     _check_fps(source_fps, "nemotron timestamps")
-    frame_ms = int(1000 / source_fps)
+    frame_ms = int(_MS_PER_S / source_fps)
     return tuple(int(index) * frame_ms / 1000.0 for index in indices)
 
 

@@ -1,17 +1,25 @@
-"""Rollout collection against a local HTTP server that fails on purpose: retries, masking, accounting."""
+"""Rollout collection against a local HTTP server that fails on purpose: retries, masking, accounting;
+and a supervised backend process that is killed under the rollout and restarted."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from rl_bridge.rollout import RolloutSettings, collect_rollouts
+from rl_bridge.services.process import ManagedProcess, ServiceError, free_port, wait_for_http
+from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +55,12 @@ def agent() -> Iterator[tuple[str, _Agent]]:
             body = json.dumps({**row, "reward": 1.0} if status == 200 else {"error": "x"}).encode()
             if status == 299:  # a 200 without a reward
                 status, body = 200, b'{"response": {}}'
+            if status == 599:  # Gym's agent quoting an inner server's client error
+                status = 500
+                body = json.dumps(
+                    "Hit an exception in agent calling an inner server: "
+                    + json.dumps({"error": {"type": "invalid_request_error", "code": "invalid_media"}})
+                ).encode()
             with state.lock:
                 state.in_flight -= 1
             self.send_response(status)
@@ -73,6 +87,7 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
         "down": [500],
         "refused": [400],
         "no_reward": [299],
+        "inner_refused": [599],
     }
     rows = [{"id": f"{name}-{i}", "plan": plan} for i in range(3) for name, plan in plans.items()]
     done = []
@@ -85,15 +100,16 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
     for i in range(3):
         assert outcome[f"ok-{i}"] == outcome[f"flaky-{i}"] == "ok"
         assert outcome[f"down-{i}"] == "infra_failed"
-        assert outcome[f"refused-{i}"] == outcome[f"no_reward-{i}"] == "content_failed"
+        assert outcome[f"refused-{i}"] == outcome[f"no_reward-{i}"] == outcome[f"inner_refused-{i}"] == "content_failed"
         assert state.attempts[f"flaky-{i}"] == 3 and state.attempts[f"down-{i}"] == 3
-        assert state.attempts[f"refused-{i}"] == 1  # content failures are not re-dispatched
+        assert state.attempts[f"refused-{i}"] == state.attempts[f"inner_refused-{i}"] == 1  # not re-dispatched
     metrics = stats.as_dict()
     assert metrics["rollout/rows"] == len(rows) == (
         metrics["rollout/ok"] + metrics["rollout/content_failed"] + metrics["rollout/infra_failed"]
     )
-    assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (6, 6, 3)
+    assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (6, 9, 3)
     assert metrics["rollout/retries"] == 3 * 2 + 3 * 2
+    assert metrics["rollout/redispatches"] == metrics["rollout/server_restarts"] == 0
     assert [r.reward for r in results if r.outcome == "ok"] == [1.0] * 6
     assert all(r.error for r in results if r.outcome != "ok")
     assert 1 < state.max_in_flight <= 4
@@ -112,3 +128,126 @@ def test_connection_refused_is_an_infra_failure() -> None:
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="max_in_flight=0"):
         RolloutSettings(max_in_flight=0)
+
+
+# -- a supervised backend, killed under the rollout --------------------------------------------------
+
+
+class _Backend:
+    """A real HTTP server process standing in for vLLM behind the agent (restartable in place)."""
+
+    def __init__(self, directory: Path) -> None:
+        port = free_port()
+        self.health_url = f"http://127.0.0.1:{port}/"
+        self.process = ManagedProcess(
+            "backend",
+            [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+            log_path=directory / "backend.log",
+            cwd=directory,
+        )
+        wait_for_http(self.health_url, timeout_s=30, process=self.process)
+
+    def restart(self) -> None:
+        self.process = self.process.respawn()
+        wait_for_http(self.health_url, timeout_s=30, process=self.process)
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout_s=10)
+
+    def up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[_Backend]:
+    server = _Backend(tmp_path)
+    try:
+        yield server
+    finally:
+        server.process.stop()
+
+
+@pytest.fixture
+def fronting_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
+    """An agent that answers 502 while the backend is down, and kills it on the 4th request."""
+    requests_seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                requests_seen[row["id"]] += 1
+                if sum(requests_seen.values()) == 4:
+                    backend.kill()
+            time.sleep(0.05)
+            status, body = (200, {**row, "reward": 1.0}) if backend.up() else (502, {"error": "backend down"})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", requests_seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_rows_in_flight_when_the_backend_dies_are_redispatched_after_its_restart(
+    backend: _Backend, fronting_agent: tuple[str, Counter[str]]
+) -> None:
+    url, requests_seen = fronting_agent
+    supervisor = ServiceSupervisor(backend, RestartPolicy(max_restarts=2, probe_interval_s=0.1))
+    rows = [{"id": f"row-{i}"} for i in range(12)]
+    settings = RolloutSettings(max_in_flight=4, max_attempts=1, backoff_s=0.0, timeout_s=10)
+    results, stats = collect_rollouts(url, rows, settings, supervisor=supervisor)
+
+    # max_attempts=1: without the restart rule every row failing during the outage would be lost.
+    assert [r.outcome for r in results] == ["ok"] * len(rows)
+    assert sorted(r.result["id"] for r in results if r.result) == sorted(row["id"] for row in rows)
+    assert stats.server_restarts == supervisor.generation == 1 and stats.retries == 0
+    assert stats.redispatches == sum(r.redispatches for r in results) >= 1
+    assert sum(requests_seen.values()) == len(rows) + stats.redispatches
+    (restart,) = supervisor.restarts
+    assert restart.generation == 1 and "exited" in restart.reason
+    assert backend.up()
+
+
+def test_supervisor_gives_up_after_max_restarts(backend: _Backend) -> None:
+    supervisor = ServiceSupervisor(backend, RestartPolicy(max_restarts=1, probe_interval_s=0.1))
+    assert supervisor.ensure_healthy() == 0  # healthy: no restart
+    backend.kill()
+    assert supervisor.ensure_healthy() == 1
+    backend.kill()
+    for _ in range(2):  # and every later call
+        with pytest.raises(ServiceError, match="max_restarts=1"):
+            supervisor.ensure_healthy()
+    assert supervisor.failure is not None and len(supervisor.restarts) == 1
+
+
+def test_watch_restarts_a_dead_backend_without_any_caller(backend: _Backend) -> None:
+    supervisor = ServiceSupervisor(backend, RestartPolicy(probe_interval_s=0.1))
+    with supervisor.watch(interval_s=0.2):
+        backend.kill()
+        deadline = time.monotonic() + 30
+        while supervisor.generation == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert supervisor.generation == 1 and backend.up()
+
+
+def test_restart_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="probe_attempts=0"):
+        RestartPolicy(probe_attempts=0)

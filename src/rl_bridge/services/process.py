@@ -99,6 +99,8 @@ class ManagedProcess:
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._env = None if env is None else dict(env)
+        self._cwd = cwd
         full_env = dict(os.environ)
         if env is not None:
             full_env.update(env)
@@ -148,6 +150,15 @@ class ManagedProcess:
         if not self._log.closed:
             self._log.close()
         _live.discard(self)
+
+    def respawn(self) -> ManagedProcess:
+        """Stop this process (and its group) and start the same command again.
+
+        The new process has this one's name, argv, extra environment and working directory, and
+        appends to the same log file. This object stays stopped; use the returned one.
+        """
+        self.stop()
+        return ManagedProcess(self.name, self.argv, log_path=self.log_path, env=self._env, cwd=self._cwd)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         try:

@@ -199,7 +199,7 @@ class VLLMServer:
     #: ``http://127.0.0.1:PORT`` (``/health``, dev endpoints).
     base_url: str
     process: ManagedProcess
-    #: Seconds from launch until ``/health`` answered.
+    #: Seconds from the latest launch (or :meth:`restart`) until ``/health`` answered.
     startup_s: float
     model_name: str = field(init=False)
 
@@ -212,9 +212,33 @@ class VLLMServer:
         return f"{self.base_url}/v1"
 
     @property
+    def health_url(self) -> str:
+        """vLLM's liveness endpoint: HTTP 200 once the engine serves requests."""
+        return f"{self.base_url}/health"
+
+    @property
     def log_path(self) -> Path:
         """The server's combined stdout/stderr log."""
         return self.process.log_path
+
+    def restart(self) -> None:
+        """Stop the server's process group and start the same command again, on the same port.
+
+        Clients keep their URLs. The new server loads ``config.model`` again: weights loaded since
+        (refits) are gone. Returns once ``/health`` answers; :attr:`startup_s` is the restart's.
+
+        Raises:
+            rl_bridge.services.process.ServiceError: the new server exited or was not healthy
+                within ``config.startup_timeout_s``; it is stopped before this is raised.
+        """
+        started = time.monotonic()
+        self.process = self.process.respawn()
+        try:
+            wait_for_http(self.health_url, timeout_s=self.config.startup_timeout_s, process=self.process)
+        except BaseException:
+            self.process.stop()
+            raise
+        self.startup_s = time.monotonic() - started
 
     def stop(self) -> None:
         """Stop the server and every process it started. Safe to call more than once."""

@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,6 +97,10 @@ class Controller:
         self.run_dir = recipe.run_dir.resolve()
         self.weights_dir = self.run_dir / "weights"
         self.refit_client = RefitClient(roles.vllm_base_url)
+        self._served: tuple[Path, str] | None = None
+        """The weights directory and version vLLM was last refitted with (``None``: the checkpoint)."""
+        if roles.vllm_supervisor is not None:
+            roles.vllm_supervisor.on_restart = self._reload_served_weights
         self.rollout_settings = RolloutSettings(
             max_in_flight=recipe.rollout.max_in_flight,
             max_attempts=recipe.rollout.max_attempts,
@@ -128,7 +133,9 @@ class Controller:
         rows = [
             with_sampling(p, r.temperature, r.max_output_tokens) for p in prompts for _ in range(r.group_size)
         ]
-        results, stats = collect_rollouts(self.roles.agent_url, rows, self.rollout_settings)
+        results, stats = collect_rollouts(
+            self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
+        )
         self._log_masked(
             (rows[res.index], f"rollout_{res.outcome}", res.error or "")
             for res in results
@@ -253,15 +260,24 @@ class Controller:
             shutil.rmtree(target)
         self.roles.policy.save_hf_checkpoint(target)
         result = self.refit_client.refit(target, version=f"step-{step}", pause_mode=pause_mode)
+        self._served = (target, f"step-{step}")
         for old in self.weights_dir.iterdir():
             if old != target:
                 shutil.rmtree(old)
         return {"refit/paused_s": result.paused_s, "refit/weight_version": float(step)}
 
+    def _reload_served_weights(self, server: Any) -> None:
+        """After a restart vLLM serves the starting checkpoint: load the trained weights again."""
+        if self._served is not None:
+            path, version = self._served
+            self.refit_client.refit(path, version=version)
+
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out rows (rows that failed count as wrong)."""
         r = self.recipe.rollout
         rows = [with_sampling(row, 0.0, r.max_output_tokens) for row in self.data.val_rows]
-        results, stats = collect_rollouts(self.roles.agent_url, rows, self.rollout_settings)
+        results, stats = collect_rollouts(
+            self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
+        )
         correct = sum(res.reward or 0.0 for res in results)
         return {"val/accuracy": correct / len(rows), "val/failed": float(len(rows) - stats.outcomes["ok"])}

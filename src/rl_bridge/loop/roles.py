@@ -21,6 +21,7 @@ import torch
 from rl_bridge.grpo import needs_reference
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.tasks import TaskData
+from rl_bridge.services.supervisor import ServiceSupervisor
 
 if TYPE_CHECKING:
     from rl_bridge.services.vllm_server import VLLMServerConfig
@@ -53,6 +54,9 @@ class Roles:
     policy: PolicyHandle
     reference: PolicyHandle | None
     """The frozen reference policy; ``None`` unless the loss has a KL term."""
+    vllm_supervisor: ServiceSupervisor[Any] | None = None
+    """Restarts a dead vLLM server (rollouts re-dispatch the rows it had in flight); ``None``
+    where the placement supervises its own processes."""
 
 
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
@@ -104,6 +108,8 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     vllm = stack.enter_context(
         start_vllm_server(vllm_config(recipe, data), log_dir=run_dir / "logs" / "vllm")
     )
+    supervisor = ServiceSupervisor(vllm)
+    stack.enter_context(supervisor.watch())
     specs, agent = data.gym_specs(recipe, openai_url=vllm.openai_url, model_name=vllm.model_name)
     gym = stack.enter_context(
         start_gym_servers(
@@ -119,7 +125,13 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         if needs_reference(recipe.train.loss)
         else None
     )
-    return Roles(vllm_base_url=vllm.base_url, agent_url=gym.url(agent), policy=policy, reference=reference)
+    return Roles(
+        vllm_base_url=vllm.base_url,
+        agent_url=gym.url(agent),
+        policy=policy,
+        reference=reference,
+        vllm_supervisor=supervisor,
+    )
 
 
 def start_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:

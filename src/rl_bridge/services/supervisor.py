@@ -115,7 +115,8 @@ class ServiceSupervisor(Generic[ServerT]):
         """
         self.server = server
         self.policy = policy or RestartPolicy()
-        self._on_restart = on_restart
+        self.on_restart = on_restart
+        """The restart hook; may be set after construction (e.g. by the loop that owns the weights)."""
         self._lock = threading.Lock()
         self._generation = 0
         self._restarts: list[RestartRecord] = []
@@ -211,8 +212,8 @@ class ServiceSupervisor(Generic[ServerT]):
         started = time.monotonic()
         try:
             self.server.restart()
-            if self._on_restart is not None:
-                self._on_restart(self.server)
+            if self.on_restart is not None:
+                self.on_restart(self.server)
         except Exception as error:
             self._gave_up = f"restarting {self.server.process.name} after '{reason}' failed: {error}"
             raise ServiceError(self._gave_up) from error

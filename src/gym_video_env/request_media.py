@@ -5,8 +5,11 @@
 1. a ``function_call_output`` carrying media either becomes the tool output plus a user message
    with the media (policy ``"relocate"``, through the ``relocate_tool_output_media`` hook) or
    fails the request (policy ``"reject"``);
-2. every media part of a user, system or developer message is checked (``validate_media``) and
-   converted (``convert_media_part``) by the installed handlers;
+2. media are allowed in user messages only: Gym turns a system or developer message's media into
+   a chat system message with media parts, which its own chat request model then rejects (an HTTP
+   500), so media in any other message fail the request here. Every media part of a user message
+   is checked (``validate_media``) and converted (``convert_media_part``) by the installed
+   handlers, and every part of a user, system or developer message must be of a type Gym knows;
 3. each converted part is written back as the canonical Responses part Gym accepts and converts
    as it is: ``{"type": "input_video", "video_url": {"url": ...}}`` or ``{"type": "input_image",
    "image_url": ..., "detail": ...}``. Sources Gym does not know (``path``, ``frames_manifest``)
@@ -23,7 +26,7 @@ from typing import Any, Literal, get_args
 
 import pluggy
 
-from gym_video_env.handlers import MEDIA_PART_TYPES
+from gym_video_env.handlers import MEDIA_PART_TYPES, is_media_part
 from gym_video_env.hookspecs import MediaError, MediaSettings
 from gym_video_env.plugins import get_plugin_manager
 
@@ -42,7 +45,9 @@ directly follows the tool output; ``"reject"`` fails the request."""
 TOOL_OUTPUT_MEDIA_POLICIES: tuple[str, ...] = get_args(ToolOutputMediaPolicy)
 
 # Message roles whose content Gym converts part by part (assistant content is text only).
-_MEDIA_ROLES = frozenset({"user", "system", "developer"})
+_INPUT_ROLES = frozenset({"user", "system", "developer"})
+# The one role whose media parts Gym's chat conversion can pass to the model.
+_MEDIA_ROLE = "user"
 # Content part types of those messages that Gym converts (the Responses API's, plus input_video).
 _KNOWN_PART_TYPES = frozenset({"input_text", "input_image", "input_video", "input_file", "input_audio"})
 
@@ -75,8 +80,8 @@ def prepare_request_media(
 
     Raises:
         MediaRequestError: a part failed a check or could not be converted (the handler's
-            :class:`MediaError` text is the reason), a message part has an unknown type, or a tool
-            output held media under ``"reject"``.
+            :class:`MediaError` text is the reason), a message part has an unknown type, a message
+            other than a user message holds media, or a tool output held media under ``"reject"``.
     """
     if tool_output_media not in TOOL_OUTPUT_MEDIA_POLICIES:
         raise ValueError(
@@ -143,17 +148,30 @@ def _tool_output_media(item: Any) -> bool:
     if not isinstance(item, dict) or item.get("type") != "function_call_output":
         return False
     output = item.get("output")
-    return isinstance(output, list) and any(
-        isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES for part in output
-    )
+    return isinstance(output, list) and any(is_media_part(part) for part in output)
 
 
 def _canonical_item(item: Any, location: str, settings: MediaSettings, pm: pluggy.PluginManager) -> Any:
-    """``item`` with its media parts checked and rewritten; other items unchanged."""
-    if not isinstance(item, dict) or item.get("role") not in _MEDIA_ROLES:
+    """``item`` with its media parts checked and rewritten; other items unchanged.
+
+    Raises:
+        MediaRequestError: media in an item other than a user message, or as :func:`_canonical_part`.
+    """
+    if not isinstance(item, dict):
         return item
     content = item.get("content")
     if not isinstance(content, list):
+        return item
+    role = item.get("role")
+    if role != _MEDIA_ROLE:
+        for index, part in enumerate(content):
+            if is_media_part(part):
+                raise MediaRequestError(
+                    f"{location}.content[{index}]",
+                    f"{part['type']} parts are allowed in user messages only, not in a message with "
+                    f"role {role!r}; move the media into a user message",
+                )
+    if not isinstance(role, str) or role not in _INPUT_ROLES:
         return item
     parts = [
         _canonical_part(part, f"{location}.content[{index}]", settings, pm)
@@ -165,13 +183,14 @@ def _canonical_item(item: Any, location: str, settings: MediaSettings, pm: plugg
 def _canonical_part(part: Any, location: str, settings: MediaSettings, pm: pluggy.PluginManager) -> Any:
     if not isinstance(part, dict):
         return part  # Gym's own validation names non-object parts
-    if part.get("type") not in MEDIA_PART_TYPES:
-        if part.get("type") not in _KNOWN_PART_TYPES:
-            raise MediaRequestError(
-                location,
-                f"unknown content part type {part.get('type')!r}; message content parts are "
-                f"{', '.join(sorted(_KNOWN_PART_TYPES))}",
-            )
+    part_type = part.get("type")
+    if not isinstance(part_type, str) or part_type not in _KNOWN_PART_TYPES:
+        raise MediaRequestError(
+            location,
+            f"unknown content part type {part_type!r}; message content parts are "
+            f"{', '.join(sorted(_KNOWN_PART_TYPES))}",
+        )
+    if part_type not in MEDIA_PART_TYPES:
         return part
     try:
         pm.hook.validate_media(part=part, settings=settings)

@@ -102,6 +102,9 @@ _IMAGE_FORMATS: Final = ("PNG", "JPEG", "WEBP", "BMP")
 _TOP_KEYS: Final = frozenset({"format", "source_fps", "total_frames", "duration_s", "frames"})
 _FRAME_KEYS: Final = frozenset({"path", "index", "timestamp_s"})
 _TAR_MAGIC_OFFSET: Final = 257
+_MAX_FRAMES: Final = 2**31 - 1
+"""Most source frames a manifest may describe (over 24 days on the millisecond grid), so source
+indices are below it: the samplers, like vLLM's and transformers', hold frame indices in int32."""
 
 MediaKind = Literal["manifest", "zip", "tar", "video"]
 """What a media payload is: a JSON manifest, a zip or tar bundle, or anything else (a video)."""
@@ -185,14 +188,19 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
         source: how errors name the manifest (a path or ``"<bytes sha256:...>"``).
 
     Raises:
-        ManifestError: not JSON, not a version-1 manifest, unknown or missing keys, wrong types,
-            a frame with both or neither of ``index`` and ``timestamp_s``, two frames at one index,
-            or an index beyond ``total_frames``.
+        ManifestError: not JSON (or nested too deeply to parse), not a version-1 manifest, unknown
+            or missing keys, wrong types, numbers out of range (``total_frames`` over 2**31 - 1, a
+            frame's index, given or from ``timestamp_s``, over 2**31 - 2), a frame with both or
+            neither of ``index`` and ``timestamp_s``, two frames at one index, an index beyond
+            ``total_frames``, or, without ``source_fps``, a ``duration_s`` that gives no finite mean
+            frame rate (zero, or tiny).
     """
     try:
         document = json.loads(bytes(text) if not isinstance(text, str) else text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # not UTF-8, a syntax error, or an integer too long to convert
         raise ManifestError(source, f"not valid JSON ({error})") from error
+    except RecursionError as error:
+        raise ManifestError(source, "not a manifest: the JSON is nested too deeply to parse") from error
     if not isinstance(document, dict):
         raise ManifestError(source, f"a manifest is a JSON object, got {type(document).__name__}")
     fail = _failer(source)
@@ -202,7 +210,7 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
     if document.get("format") != MANIFEST_FORMAT:
         raise fail(f"format is {document.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     source_fps = _optional_number(document, "source_fps", fail, positive=True)
-    total_frames = _optional_int(document, "total_frames", fail, minimum=1)
+    total_frames = _optional_int(document, "total_frames", fail, minimum=1, maximum=_MAX_FRAMES)
     duration_s = _optional_number(document, "duration_s", fail, positive=False)
     raw_frames = document.get("frames")
     if not isinstance(raw_frames, list) or not raw_frames:
@@ -225,11 +233,17 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
         if "index" in entry:
             if source_fps is None:
                 raise fail(f"{where} ({path}) gives an index, which needs the manifest's source_fps")
-            index = _optional_int(entry, "index", fail, minimum=0, where=where)
+            index = _optional_int(entry, "index", fail, minimum=0, maximum=_MAX_FRAMES - 1, where=where)
         else:
             seconds = _optional_number(entry, "timestamp_s", fail, positive=False, where=where)
             assert seconds is not None
-            index = round(seconds * rate)
+            exact_index = seconds * rate
+            index = round(exact_index) if math.isfinite(exact_index) else None
+            if index is None or index >= _MAX_FRAMES:
+                raise fail(
+                    f"{where} ({path}) timestamp_s={seconds!r} is out of range: at {rate!r} frames/s it "
+                    f"is past the last source index a manifest may have, {_MAX_FRAMES - 1}"
+                )
         assert index is not None
         if index in frames:
             raise fail(f"{where} ({path}) and {frames[index].path} are both at source index {index}")
@@ -243,6 +257,13 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
         raise fail(f"frame {ordered[-1].path} is at source index {last}, beyond total_frames={total_frames}")
     if duration_s is None:
         duration_s = total_frames / rate
+        if not math.isfinite(duration_s):
+            raise fail(f"total_frames={total_frames} / source_fps={rate!r} overflows; give duration_s")
+    elif source_fps is None and (duration_s == 0 or not math.isfinite(len(ordered) / duration_s)):
+        raise fail(
+            f"duration_s={duration_s!r} gives no finite mean frame rate (len(frames) / duration_s), "
+            "which is what a manifest without source_fps is sampled at"
+        )
     return FrameManifest(
         source_fps=rate,
         frame_rate_known=source_fps is not None,
@@ -537,11 +558,12 @@ def _optional_number(
     if value is None:
         return None
     name = f"{where}.{key}" if where else key
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise fail(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise fail(f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}")
-    return float(value)
+    number = _finite_float(value)
+    if number is None:
+        raise fail(f"{name} must be a finite number, got {_short_repr(value)}")
+    if number < 0 or (positive and number == 0):
+        raise fail(f"{name} must be {'positive' if positive else 'non-negative'}, got {_short_repr(value)}")
+    return number
 
 
 def _optional_int(
@@ -550,6 +572,7 @@ def _optional_int(
     fail: Callable[[str], ManifestError],
     *,
     minimum: int,
+    maximum: int,
     where: str = "",
 ) -> int | None:
     value = document.get(key)
@@ -557,5 +580,25 @@ def _optional_int(
         return None
     name = f"{where}.{key}" if where else key
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise fail(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise fail(f"{name} must be an integer >= {minimum}, got {_short_repr(value)}")
+    if value > maximum:
+        raise fail(f"{name} must be at most {maximum}, got {_short_repr(value)}")
     return value
+
+
+def _finite_float(value: object) -> float | None:
+    """``value`` as a finite float; ``None`` for a bool, a non-number, a NaN or infinity, or an integer
+    beyond the float range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _short_repr(value: object, max_chars: int = 60) -> str:
+    """``repr(value)`` cut for an error message (a JSON integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= max_chars else f"{text[: max_chars - 3]}..."

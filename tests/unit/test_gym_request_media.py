@@ -119,8 +119,11 @@ def test_unknown_policy_is_an_error(settings: MediaSettings) -> None:
         ({"type": "input_video", "video_url": "../outside.mp4"}, "outside the media root"),
         ({"type": "input_video", "path": "clips/missing.mp4"}, "no such file"),
         ({"type": "input_video", "video_url": "ftp://host/a.mp4"}, "unsupported URL scheme 'ftp'"),
+        ({"type": "input_video", "video_url": "http://[::1"}, "not a valid URL (Invalid IPv6 URL)"),
+        ({"type": "input_video", "path": "clips/a\x00.mp4"}, "not a usable file path (embedded null byte)"),
+        ({"type": ["input_video"]}, "unknown content part type ['input_video']"),
     ],
-    ids=["outside_root", "missing", "bad_scheme"],
+    ids=["outside_root", "missing", "bad_scheme", "bad_url", "nul_in_path", "unhashable_type"],
 )
 def test_bad_parts_are_named_by_location(
     part: dict[str, Any], message: str, settings: MediaSettings, media_root: Path
@@ -131,6 +134,17 @@ def test_bad_parts_are_named_by_location(
         prepare_request_media(body, settings)
     assert excinfo.value.location == "input[1].content[0]"
     assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "assistant", ["user"]])
+def test_media_outside_user_messages_are_refused(role: Any, settings: MediaSettings) -> None:
+    # Gym converts a system message's video to a chat system message that its own chat model
+    # then rejects (HTTP 500): the request must fail here, naming the part.
+    content = [{"type": "input_text", "text": "Watch:"}, {"type": "input_video", "path": "clips/a.mp4"}]
+    with pytest.raises(MediaRequestError) as excinfo:
+        prepare_request_media({"input": [{"role": role, "content": content}]}, settings)
+    assert excinfo.value.location == "input[0].content[1]"
+    assert f"allowed in user messages only, not in a message with role {role!r}" in excinfo.value.reason
 
 
 def test_relocated_media_are_checked_too(settings: MediaSettings) -> None:

@@ -331,6 +331,27 @@ def test_sampling_errors_pass_through(root: Path) -> None:
             {"source_fps": 2, "total_frames": 3, "frames": [{"path": "a", "index": 3}]},
             "frame a is at source index 3, beyond total_frames=3",
         ),
+        (b"[" * 100_000, "the JSON is nested too deeply to parse"),
+        (
+            {"source_fps": 10**400, "frames": [{"path": "a", "index": 0}]},
+            "source_fps must be a finite number",
+        ),
+        (
+            {"source_fps": 30, "total_frames": 10**400, "frames": [{"path": "a", "index": 0}]},
+            "total_frames must be at most 2147483647",
+        ),
+        (
+            {"source_fps": 1e10, "frames": [{"path": "a", "timestamp_s": 1e300}]},
+            r"frames\[0\] \(a\) timestamp_s=1e\+300 is out of range",
+        ),
+        (
+            {"source_fps": 1e-320, "frames": [{"path": "a", "index": 0}]},
+            r"total_frames=1 / source_fps=1e-320 overflows; give duration_s",
+        ),
+        (
+            {"duration_s": 0, "frames": [{"path": "a", "timestamp_s": 0.0}]},
+            r"duration_s=0.0 gives no finite mean frame rate",
+        ),
     ],
 )
 def test_schema_errors(document: bytes | dict[str, Any], reason: str) -> None:

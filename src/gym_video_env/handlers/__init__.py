@@ -33,6 +33,7 @@ __all__ = [
     "VIDEO_PART_TYPE",
     "MediaRef",
     "check_media",
+    "is_media_part",
     "media_ref",
     "media_url",
     "resolve_local_media",
@@ -63,15 +64,23 @@ class MediaRef:
     """Whether the file is a cached-frame manifest rather than an encoded video or image."""
 
 
+def is_media_part(part: object) -> bool:
+    """Whether ``part`` (any JSON value) is an ``input_video`` or ``input_image`` content part."""
+    if not isinstance(part, dict):
+        return False
+    part_type = part.get("type")
+    return isinstance(part_type, str) and part_type in MEDIA_PART_TYPES
+
+
 def media_ref(part: dict[str, Any]) -> MediaRef:
     """Read where the media of an ``input_video`` or ``input_image`` part is.
 
     Raises:
-        MediaError: the part has no source key or several, or its URL is empty or of an unsupported
-            scheme.
+        MediaError: the part has no source key or several, or its URL is empty, malformed or of an
+            unsupported scheme.
     """
     part_type = part.get("type")
-    if part_type not in _SOURCE_KEYS:
+    if not isinstance(part_type, str) or part_type not in _SOURCE_KEYS:
         raise MediaError(repr(part_type), f"not a media part type; expected one of {sorted(_SOURCE_KEYS)}")
     keys = [key for key in _SOURCE_KEYS[part_type] if key in part]
     if len(keys) != 1:
@@ -90,7 +99,10 @@ def media_ref(part: dict[str, Any]) -> MediaRef:
 
 
 def _url_ref(url: str, key: str) -> MediaRef:
-    parsed = urllib.parse.urlsplit(url)
+    try:
+        parsed = urllib.parse.urlsplit(url)
+    except ValueError as error:  # e.g. an unclosed IPv6 bracket: http://[::1
+        raise MediaError(_shorten(url), f"not a valid URL ({error})") from error
     scheme = parsed.scheme.lower()
     if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -115,16 +127,23 @@ def resolve_local_media(path: str, settings: MediaSettings) -> Path:
     Symlinks are followed before the check, so a link pointing out of the root is rejected.
 
     Raises:
-        MediaError: no media root is configured, the path resolves outside it, or it is not a file.
+        MediaError: no media root is configured, the path cannot be resolved (a NUL character, a name
+            too long), resolves outside the root, or is not a file.
     """
     if settings.media_root is None:
         raise MediaError(path, "local media files are not allowed: no media root is configured")
     root = settings.media_root.resolve()
     candidate = Path(path)
-    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if not resolved.is_relative_to(root):
+    try:
+        resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        inside = resolved.is_relative_to(root)
+        is_file = inside and resolved.is_file()
+    except (OSError, ValueError) as error:  # a name too long, a NUL character
+        detail = error.strerror if isinstance(error, OSError) else error
+        raise MediaError(_shorten(path), f"not a usable file path ({detail})") from error
+    if not inside:
         raise MediaError(path, f"resolves to {resolved}, which is outside the media root {root}")
-    if not resolved.is_file():
+    if not is_file:
         raise MediaError(path, f"no such file: {resolved} (media root {root})")
     return resolved
 

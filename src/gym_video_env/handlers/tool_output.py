@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any
 
 from gym_video_env import hookimpl
-from gym_video_env.handlers import IMAGE_PART_TYPE, MEDIA_PART_TYPES, VIDEO_PART_TYPE
+from gym_video_env.handlers import IMAGE_PART_TYPE, VIDEO_PART_TYPE, is_media_part
 
 _NOUNS = {VIDEO_PART_TYPE: ("video", "videos"), IMAGE_PART_TYPE: ("image", "images")}
 
@@ -22,10 +22,10 @@ def relocate_tool_output_media(item: dict[str, Any]) -> list[dict[str, Any]] | N
     output = item.get("output")
     if item.get("type") != "function_call_output" or not isinstance(output, list):
         return None
-    media = [part for part in output if part.get("type") in MEDIA_PART_TYPES]
+    media = [part for part in output if is_media_part(part)]
     if not media:
         return None
-    kept = [part for part in output if part.get("type") not in MEDIA_PART_TYPES]
+    kept = [part for part in output if not is_media_part(part)]
     note = {"type": "input_text", "text": _note(media)}
     return [
         {**item, "output": [*kept, note]},

@@ -77,9 +77,10 @@ def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: f
     ax.set(title="vLLM vs trainer probability error (1 = identical)", xlabel="step")
     ax.legend()
     ax = axes[1][0]
-    for name in ("preprocess/masked", "rollout/content_failed", "rollout/infra_failed", "rollout/retries"):
+    reasons = sorted({name for record in history for name in record if name.startswith("masked/")})
+    for name in ("preprocess/masked", *reasons, "rollout/retries", "rollout/redispatches", "rollout/server_restarts"):
         ax.plot(*_series(history, name), marker=".", label=name)
-    ax.set(title="Masked samples and failed rows", xlabel="step")
+    ax.set(title="Masked samples (by reason), retries and restarts", xlabel="step")
     ax.legend()
     ax = axes[1][1]
     bottom: list[float] | None = None

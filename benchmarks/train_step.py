@@ -480,7 +480,7 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
             return forward_logprobs()[0]
 
     old_logprobs = logprobs()
-    torch.save([row[m].float().cpu() for row, m in zip(old_logprobs, mask)], Path(args.workdir) / "hf_logprobs.pt")
+    torch.save([row[m].float().cpu() for row, m in zip(old_logprobs, mask, strict=True)], Path(args.workdir) / "hf_logprobs.pt")
 
     def train_step() -> None:
         model.train()
@@ -585,7 +585,7 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     reference_path = Path(args.workdir) / "hf_logprobs.pt"
     if reference_path.is_file():
         reference = torch.load(reference_path)
-        deltas = torch.cat([(o[s.target_mask] - r).abs() for o, s, r in zip(old, samples, reference)])
+        deltas = torch.cat([(o[s.target_mask] - r).abs() for o, s, r in zip(old, samples, reference, strict=True)])
         check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
         if rank0:
             print(f"[megatron] response logprobs vs HF (same weights, {config.dtype}): {check}", flush=True)

@@ -11,7 +11,6 @@ weights and that its logprobs match the trainer's on all turns.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -20,6 +20,7 @@ model (forward and backward; it holds no state).
 
 from __future__ import annotations
 
+import itertools
 import types
 from typing import Any
 
@@ -55,13 +56,13 @@ def segment_attention(
         )
     tokens, heads, head_dim = query.shape
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b > e for b, e in zip(bounds, bounds[1:])):
+    if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b > e for b, e in itertools.pairwise(bounds)):
         raise ValueError(
             f"segment_attention: cu_seqlens must rise from 0 to {tokens} (the token count), "
             f"got {len(bounds)} boundaries from {bounds[:1]} to {bounds[-1:]}"
         )
     starts_by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end > start:
             starts_by_length.setdefault(end - start, []).append(start)
 

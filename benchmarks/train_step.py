@@ -1,4 +1,5 @@
-"""Logprob and training-step throughput of the Megatron policy against HF transformers, same model, same batch.
+"""Logprob and training-step throughput of the Megatron policy against HF transformers, on the
+same model and the same batch.
 
 The model is Qwen2.5-VL-3B-shaped (the released checkpoint's dimensions, :data:`QWEN25_VL_3B`) with
 random weights, built from its config directly on the device in bf16 and saved once as an HF
@@ -243,7 +244,8 @@ def video_grid(config: dict[str, Any], shape: BatchShape) -> tuple[int, int, int
 
 
 def make_batch(config: dict[str, Any], shape: BatchShape, *, seed: int = 0) -> list[Sample]:
-    """Deterministic random samples: text, ``<vision_start>``, video placeholders, ``<vision_end>``, text, response."""
+    """Deterministic random samples: text, ``<vision_start>``, video placeholders, ``<vision_end>``,
+    text, response."""
     generator = torch.Generator().manual_seed(seed)
     vision = config["vision_config"]
     t, h, w = video_grid(config, shape)
@@ -333,8 +335,10 @@ def model_flops(config: dict[str, Any], samples: list[Sample]) -> dict[str, floa
                 + patches // vision["spatial_merge_size"] ** 2 * merger_weights
             )
             windows, frames = _window_lengths(config, tuple(grid))
-            out["vision_attention"] += 4.0 * hidden * (
-                window_blocks * sum(n * n for n in windows) + full_blocks * sum(n * n for n in frames)
+            out["vision_attention"] += (
+                4.0
+                * hidden
+                * (window_blocks * sum(n * n for n in windows) + full_blocks * sum(n * n for n in frames))
             )
     out["total"] = sum(out.values())
     return out
@@ -400,7 +404,9 @@ def measure_run(
             run[phase] = measure(fn, device=device, warmup=args.warmup, steps=args.steps)
         except torch.OutOfMemoryError as error:
             run[phase] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
-        summary = run[phase].get("error") or f"{run[phase]['step_s']:.3f} s, peak {run[phase]['peak_gib']} GiB"
+        summary = (
+            run[phase].get("error") or f"{run[phase]['step_s']:.3f} s, peak {run[phase]['peak_gib']} GiB"
+        )
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(f"[{side}] {name} {phase}: {summary}", flush=True)
     return run
@@ -416,7 +422,8 @@ def _free_memory(device: torch.device) -> None:
 
 
 def full_vocab_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` ``log p(input_ids[t] | :t)`` (0 at t = 0), as usually written: fp32 log-softmax over all positions."""
+    """``[B, T]`` ``log p(input_ids[t] | :t)`` (0 at t = 0), as usually written: an fp32
+    log-softmax over all positions."""
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return F.pad(picked, (1, 0))
@@ -480,7 +487,10 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
             return forward_logprobs()[0]
 
     old_logprobs = logprobs()
-    torch.save([row[m].float().cpu() for row, m in zip(old_logprobs, mask, strict=True)], Path(args.workdir) / "hf_logprobs.pt")
+    torch.save(
+        [row[m].float().cpu() for row, m in zip(old_logprobs, mask, strict=True)],
+        Path(args.workdir) / "hf_logprobs.pt",
+    )
 
     def train_step() -> None:
         model.train()
@@ -585,7 +595,9 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     reference_path = Path(args.workdir) / "hf_logprobs.pt"
     if reference_path.is_file():
         reference = torch.load(reference_path)
-        deltas = torch.cat([(o[s.target_mask] - r).abs() for o, s, r in zip(old, samples, reference, strict=True)])
+        deltas = torch.cat(
+            [(o[s.target_mask] - r).abs() for o, s, r in zip(old, samples, reference, strict=True)]
+        )
         check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
         if rank0:
             print(f"[megatron] response logprobs vs HF (same weights, {config.dtype}): {check}", flush=True)
@@ -797,9 +809,11 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
     samples = make_batch(preset.config, preset.batch, seed=args.seed)
     tokens = sum(s.input_ids.numel() for s in samples)
     flops = model_flops(preset.config, samples)
-    runs = hf["runs"] + [r for m in megatron.values() for r in m["runs"]] + [
-        r for m in recompute.values() for r in m["runs"]
-    ]
+    runs = (
+        hf["runs"]
+        + [r for m in megatron.values() for r in m["runs"]]
+        + [r for m in recompute.values() for r in m["runs"]]
+    )
     for run in runs:
         add_rates(run, tokens, flops, args.peak_tflops)
     baseline = runs[0]
@@ -865,14 +879,21 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         print(
             f"ours = {ours['name']} vs {baseline['name']}: logprobs {ratios['logprobs_tokens_per_s']:.2f}x "
             f"tokens/s, train step {ratios['train_tokens_per_s']:.2f}x tokens/s"
-            + (f", train peak memory {ratios['train_peak_memory']:.2f}x" if "train_peak_memory" in ratios else "")
+            + (
+                f", train peak memory {ratios['train_peak_memory']:.2f}x"
+                if "train_peak_memory" in ratios
+                else ""
+            )
         )
     for name, entry in scaling.items():
         print(
             f"{name}: train {entry['train_speedup']:.2f}x tokens/s "
             f"({entry['train_efficiency']:.0%} of linear), logprobs {entry['logprobs_speedup']:.2f}x"
-            + (f", train peak per GPU {entry['train_peak_memory']:.2f}x" if "train_peak_memory" in entry
-               else "")
+            + (
+                f", train peak per GPU {entry['train_peak_memory']:.2f}x"
+                if "train_peak_memory" in entry
+                else ""
+            )
         )
     if first["profile"]:
         print("\nMegatron train step, top operators by device time:\n" + first["profile"])
@@ -899,8 +920,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate of both sides")
-    parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS, help="dense bf16 peak of the chip")
-    parser.add_argument("--profile", action="store_true", help="profile one Megatron train step (top operators)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS, help="dense bf16 peak of the chip"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one Megatron train step (top operators)"
+    )
     parser.add_argument(
         "--recompute-budget-s",
         type=float,

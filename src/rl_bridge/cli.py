@@ -37,7 +37,9 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
 
     config = VLLMServerConfig(model=str(args.model), port=args.port, dtype=args.dtype)
     server = start_vllm_server(config, log_dir=args.log_dir)
-    print(f"vLLM serving {server.model} at {server.base_url} (log: {server.process.log_path}); Ctrl-C stops it")
+    print(
+        f"vLLM serving {server.model} at {server.base_url} (log: {server.process.log_path}); Ctrl-C stops it"
+    )
     try:
         server.process.wait()
     except KeyboardInterrupt:
@@ -117,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
-    p = add("serve-vllm", _cmd_serve_vllm, "Serve a model with vLLM (CPU build) and this plugin, on loopback.")
+    p = add(
+        "serve-vllm", _cmd_serve_vllm, "Serve a model with vLLM (CPU build) and this plugin, on loopback."
+    )
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--dtype", default="float32")

@@ -128,7 +128,10 @@ class RolloutStats:
         ``rollout/retries``, ``rollout/redispatches``, ``rollout/server_restarts``, ``rollout/wall_s``."""
         return {
             "rollout/rows": float(self.rows),
-            **{f"rollout/{name}": float(self.outcomes[name]) for name in ("ok", "content_failed", "infra_failed")},
+            **{
+                f"rollout/{name}": float(self.outcomes[name])
+                for name in ("ok", "content_failed", "infra_failed")
+            },
             "rollout/retries": float(self.retries),
             "rollout/redispatches": float(self.redispatches),
             "rollout/server_restarts": float(self.server_restarts),
@@ -154,14 +157,18 @@ def _excerpt(text: str, head: int = 200, tail: int = 600) -> str:
     return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
 
 
-def _run_once(session: requests.Session, url: str, row: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+def _run_once(
+    session: requests.Session, url: str, row: Mapping[str, Any], timeout_s: float
+) -> dict[str, Any]:
     try:
         response = session.post(url, json=row, timeout=timeout_s)
     except (requests.ConnectionError, requests.Timeout) as error:
         raise _InfraError(f"{type(error).__name__}: {error}") from error
     if response.status_code >= 500:
         if any(marker in response.text for marker in _INNER_CLIENT_ERROR_MARKERS):
-            raise _ContentError(f"HTTP {response.status_code}, an inner client error: {_excerpt(response.text)}")
+            raise _ContentError(
+                f"HTTP {response.status_code}, an inner client error: {_excerpt(response.text)}"
+            )
         raise _InfraError(f"HTTP {response.status_code}: {_excerpt(response.text)}")
     if response.status_code != 200:
         raise _ContentError(f"HTTP {response.status_code}: {_excerpt(response.text)}")

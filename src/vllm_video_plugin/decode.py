@@ -19,11 +19,12 @@ How :func:`decode_frames` keeps the work down:
 Frame indices are presentation order as decoded (what OpenCV counts and what vLLM's
 ``frames_indices`` mean). Sampling runs over the frames the demux pass found; vLLM's OpenCV loader
 samples over the header's count instead. They agree on well-formed files; where a header
-over-reports, OpenCV returns fewer frames than it sampled, while this decoder samples over the frames
-that exist (the header's count is kept in :class:`VideoSourceInfo`). Colour conversion is FFmpeg's swscale to ``rgb24``, as in vLLM's OpenCV
-loader (identical bytes on the H.264 4:2:0 files tested). Rotation metadata (a display matrix) is
-applied like OpenCV's default ``CAP_PROP_ORIENTATION_AUTO``, which vLLM's stock loader leaves on:
-a 90-degree video comes out rotated, height and width swapped.
+over-reports, OpenCV returns fewer frames than it sampled, while this decoder samples over the
+frames that exist (the header's count is kept in :class:`VideoSourceInfo`). Colour conversion is
+FFmpeg's swscale to ``rgb24``, as in vLLM's OpenCV loader (identical bytes on the H.264 4:2:0
+files tested). Rotation metadata (a display matrix) is applied like OpenCV's default
+``CAP_PROP_ORIENTATION_AUTO``, which vLLM's stock loader leaves on: a 90-degree video comes out
+rotated, height and width swapped.
 
 Threading: one decoding thread by default. Measured on the project's 2-core machine (720p H.264,
 600 frames): single-threaded 1.0-1.2 s, slice threads 1.25-1.35 s, frame threads 1.75-1.9 s;

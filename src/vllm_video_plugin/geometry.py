@@ -171,9 +171,7 @@ def geometry_mismatches(contract: VideoSamplingContract, geometry: VisionGeometr
 
     def differ(name: str, wanted: object, actual: object) -> None:
         if wanted is not None and actual is not None and wanted != actual:
-            problems.append(
-                f"{name}: contract {name}={wanted}, checkpoint {geometry.sources[name]}={actual}"
-            )
+            problems.append(f"{name}: contract {name}={wanted}, checkpoint {geometry.sources[name]}={actual}")
 
     differ("patch_size", contract.patch_size, geometry.patch_size)
     differ("spatial_merge_size", contract.spatial_merge_size, geometry.spatial_merge_size)

@@ -445,9 +445,7 @@ def _decode_image(raw: bytes, where: str, limits: DecodeLimits) -> NDArray[np.ui
                 )
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
-        raise ManifestError(
-            where, f"not a readable {'/'.join(_IMAGE_FORMATS)} image ({error})"
-        ) from error
+        raise ManifestError(where, f"not a readable {'/'.join(_IMAGE_FORMATS)} image ({error})") from error
 
 
 def _check_relative(path: str, where: str) -> PurePosixPath:

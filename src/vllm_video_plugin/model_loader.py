@@ -52,7 +52,7 @@ def _contract_from_extra_config(extra: Mapping[str, Any]) -> VideoSamplingContra
     if not isinstance(raw, Mapping):
         raise ValueError(
             f"--load-format {MODEL_LOADER_NAME} needs the sampling contract: --model-loader-extra-config "
-            f"'{{\"{CONTRACT_CONFIG_KEY}\": {{\"style\": ..., ...}}}}' (got {CONTRACT_CONFIG_KEY}={raw!r})"
+            f'\'{{"{CONTRACT_CONFIG_KEY}": {{"style": ..., ...}}}}\' (got {CONTRACT_CONFIG_KEY}={raw!r})'
         )
     return VideoSamplingContract.from_media_io_kwargs(dict(raw))
 

@@ -101,7 +101,9 @@ class RefitClient:
             query = "?reset_running_requests=true" if pause_mode == "keep" else ""
             answer = self._post(f"/reset_prefix_cache{query}", step="reset the prefix cache")
             if isinstance(answer, dict) and answer.get("success") is False:
-                raise RefitError(f"reset the prefix cache: the server answered {answer!r} (blocks still held)")
+                raise RefitError(
+                    f"reset the prefix cache: the server answered {answer!r} (blocks still held)"
+                )
             for cache in ("encoder", "mm"):
                 self._post(f"/reset_{cache}_cache", step=f"reset the {cache} cache")
             self._post("/update_weight_version", {"new_version": version}, step="update the weight version")

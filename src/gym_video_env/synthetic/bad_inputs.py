@@ -504,7 +504,9 @@ _CASES: Final[tuple[Callable[[Path, Path], BadInput], ...]] = (
         "a slice) is concealed by FFmpeg and decodes, slightly wrong, identically on every side.",
     ),
     _video_case("zero_length", "an empty file named .mp4", _zero_length, _UNDECODABLE),
-    _video_case("audio_only", "an MP4 with an AAC audio stream and no video stream", _audio_only, _UNDECODABLE),
+    _video_case(
+        "audio_only", "an MP4 with an AAC audio stream and no video stream", _audio_only, _UNDECODABLE
+    ),
     _video_case(
         "zero_decodable_frames",
         "an MP4 whose 8 frame packets are all zeros: demuxable, none decodable",

@@ -287,9 +287,7 @@ def read_frame_index(frame: Frame, *, digits: int = BARCODE_DIGITS) -> int:
     return index
 
 
-def indexed_frames(
-    num_frames: int, *, width: int, height: int, digits: int = BARCODE_DIGITS
-) -> list[Frame]:
+def indexed_frames(num_frames: int, *, width: int, height: int, digits: int = BARCODE_DIGITS) -> list[Frame]:
     """Frames that identify themselves: frame ``i`` is filled with ``SATURATED_COLOURS[i % 6]`` and
     carries ``i`` in its barcode (:func:`draw_frame_index`).
 

@@ -78,7 +78,13 @@ def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: f
     ax.legend()
     ax = axes[1][0]
     reasons = sorted({name for record in history for name in record if name.startswith("masked/")})
-    for name in ("preprocess/masked", *reasons, "rollout/retries", "rollout/redispatches", "rollout/server_restarts"):
+    for name in (
+        "preprocess/masked",
+        *reasons,
+        "rollout/retries",
+        "rollout/redispatches",
+        "rollout/server_restarts",
+    ):
         ax.plot(*_series(history, name), marker=".", label=name)
     ax.set(title="Masked samples (by reason), retries and restarts", xlabel="step")
     ax.legend()

@@ -503,9 +503,11 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     job = ray.get_runtime_context().get_job_id()
 
     def create(cls: type, role: str, placement: RolePlacement, num_gpus: float) -> ray.actor.ActorHandle:
-        actor = ray.remote(cls).options(
-            **_actor_options(placement, num_gpus=num_gpus, env=env, name=f"{role}-{job}")
-        ).remote()
+        actor = (
+            ray.remote(cls)
+            .options(**_actor_options(placement, num_gpus=num_gpus, env=env, name=f"{role}-{job}"))
+            .remote()
+        )
         stack.callback(_stop_actor, role, actor)
         return actor
 

@@ -101,9 +101,7 @@ def mrope_section(text_config: Any) -> list[int]:
     rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
     section = rope.get("mrope_section")
     if not section:
-        raise ValueError(
-            f"mrope_section: the text config has no mrope_section in its RoPE parameters {rope}"
-        )
+        raise ValueError(f"mrope_section: the text config has no mrope_section in its RoPE parameters {rope}")
     head_dim = getattr(text_config, "head_dim", None) or (
         text_config.hidden_size // text_config.num_attention_heads
     )
@@ -188,7 +186,8 @@ def build_policy(
         raise ValueError(f"build_policy: recompute={recompute!r}; expected one of {get_args(Recompute)}")
     if vision_attention not in get_args(VisionAttention):
         raise ValueError(
-            f"build_policy: vision_attention={vision_attention!r}; expected one of {get_args(VisionAttention)}"
+            f"build_policy: vision_attention={vision_attention!r}; "
+            f"expected one of {get_args(VisionAttention)}"
         )
     _require_runtime("build_policy")
     if recompute != "none" and cpu_support_needed():
@@ -238,7 +237,9 @@ def _checkpoint_vision_blocks(module: torch.nn.Module) -> None:
 
     towers = [m for m in module.modules() if isinstance(m, Qwen2_5_VisionTransformerPretrainedModel)]
     if not towers:
-        raise ValueError(f"build_policy: recompute='full', but {type(module).__name__} has no HF vision tower")
+        raise ValueError(
+            f"build_policy: recompute='full', but {type(module).__name__} has no HF vision tower"
+        )
     for tower in towers:
         tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -288,8 +289,9 @@ def forward_logits(
     Returns:
         ``[B, S, V]`` float logits, ``V`` the checkpoint's vocabulary size (padding sliced off).
         With tensor parallelism each rank holds its vocabulary shard ``[B, S, V_padded / TP]``
-        instead (:func:`.logprobs.token_logprobs` takes it with the TP group). Gradients flow when called with grad enabled. Multimodal RoPE positions are computed by
-        the model from ``input_ids`` and the grids. The single-stage model (no pipelining) only.
+        instead (:func:`.logprobs.token_logprobs` takes it with the TP group). Gradients flow
+        when called with grad enabled. Multimodal RoPE positions are computed by the model from
+        ``input_ids`` and the grids. The single-stage model (no pipelining) only.
     """
     if len(model) != 1:
         raise ValueError(f"forward_logits: expects one model chunk (no virtual pipeline), got {len(model)}")

@@ -56,7 +56,12 @@ def segment_attention(
         )
     tokens, heads, head_dim = query.shape
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b > e for b, e in itertools.pairwise(bounds)):
+    if (
+        not bounds
+        or bounds[0] != 0
+        or bounds[-1] != tokens
+        or any(b > e for b, e in itertools.pairwise(bounds))
+    ):
         raise ValueError(
             f"segment_attention: cu_seqlens must rise from 0 to {tokens} (the token count), "
             f"got {len(bounds)} boundaries from {bounds[:1]} to {bounds[-1:]}"
@@ -80,7 +85,9 @@ def segment_attention(
     device = query.device
     order = torch.cat(
         [
-            (torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
+            (torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(length, device=device)).reshape(
+                -1
+            )
             for length, starts in starts_by_length.items()
         ]
     )

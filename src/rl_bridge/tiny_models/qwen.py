@@ -163,7 +163,6 @@ class _QwenVLSpec(TinyModelSpec):
             **extra,
         }
 
-
     def _vision_config(self, **extra: object) -> dict[str, object]:
         """The vision tower's config fields both Qwen generations share, plus ``extra``."""
         return {

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.fixtures.bad_inputs import FaultRecorder
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROWS, PROMPTS, GROUP = 10, 4, 4
@@ -104,10 +106,26 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
-def test_run_that_runs_out_of_data_exits_0_with_final_checkpoint(resumed_run: dict) -> None:
+def test_run_that_runs_out_of_data_exits_0_with_final_checkpoint(
+    resumed_run: dict, record_fault: FaultRecorder
+) -> None:
     run_dir = resumed_run["run_dir"]
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    final_state = run_dir / "checkpoints" / f"step-{STEPS}" / "state.json"
+    buffer = json.loads(final_state.read_text())["buffer"] if final_state.is_file() else None
+    record_fault(
+        "data_exhausted",
+        f"exit {resumed_run['returncode']}, data_exhausted={summary.get('data_exhausted')}, "
+        f"{summary.get('steps')} steps, served {summary.get('served_weight_version')}, final checkpoint "
+        + (
+            f"step-{STEPS} (buffer: {buffer['next_position']}/{ROWS} rows consumed, "
+            f"{len(buffer['pending'])} pending)"
+            if buffer is not None
+            else f"step-{STEPS} missing"
+        ),
+    )
     assert resumed_run["returncode"] == 0, resumed_run["output"][-5000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["data_exhausted"] is True
     assert summary["steps"] == STEPS
     assert summary["served_weight_version"] == f"step-{STEPS}"
@@ -121,19 +139,36 @@ def test_run_that_runs_out_of_data_exits_0_with_final_checkpoint(resumed_run: di
     assert (run_dir / "curves.png").stat().st_size > 10_000
 
 
-def test_resume_serves_the_checkpointed_weight_version(resumed_run: dict) -> None:
+def test_resume_serves_the_checkpointed_weight_version(
+    resumed_run: dict, record_fault: FaultRecorder
+) -> None:
     resumed = json.loads((resumed_run["run_dir"] / "resume.json").read_text())
     k = resumed_run["killed_at"]
+    record_fault(
+        "trainer_killed_mid_run",
+        f"killed after the step-{k} checkpoint; resumed at weight version {resumed['weight_version']}, "
+        f"served {resumed['served_weight_version']}",
+    )
     assert resumed["weight_version"] == k >= 1
     assert resumed["served_weight_version"] == f"step-{k}"
 
 
-def test_every_group_is_trained_exactly_once_across_the_kill(resumed_run: dict) -> None:
+def test_every_group_is_trained_exactly_once_across_the_kill(
+    resumed_run: dict, record_fault: FaultRecorder
+) -> None:
     run_dir = resumed_run["run_dir"]
     groups = _records(run_dir / "groups.jsonl")
-    assert Counter(g["row_id"] for g in groups) == Counter(range(ROWS)), groups
-    assert sorted(g["position"] for g in groups) == list(range(ROWS))
+    trained = Counter(g["row_id"] for g in groups)
     per_step = Counter(g["step"] for g in groups)
+    record_fault(
+        "trainer_killed_mid_run",
+        f"{sum(trained[row] == 1 for row in range(ROWS))}/{ROWS} row ids trained exactly once, "
+        f"{sum(trained.values()) - len(trained)} duplicates, {ROWS - len(set(trained) & set(range(ROWS)))} "
+        f"missing; groups per step {dict(sorted(per_step.items()))}, "
+        f"max age {max((g['age'] for g in groups), default=None)}",
+    )
+    assert trained == Counter(range(ROWS)), groups
+    assert sorted(g["position"] for g in groups) == list(range(ROWS))
     assert per_step == {1: PROMPTS, 2: PROMPTS, 3: ROWS - 2 * PROMPTS}
     assert all(0 <= g["age"] <= 1 for g in groups)
 

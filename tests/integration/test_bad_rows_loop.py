@@ -18,6 +18,7 @@ from rl_bridge.loop.config import load_recipe
 from rl_bridge.loop.controller import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
 from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task
+from tests.fixtures.bad_inputs import FaultRecorder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -78,8 +79,20 @@ def test_the_run_completes_with_a_mix_of_bad_rows(run: Run) -> None:
     ]
 
 
-def test_metrics_account_for_every_row(run: Run) -> None:
+def test_metrics_account_for_every_row(run: Run, record_fault: FaultRecorder) -> None:
     _, steps, masked, _ = run
+    accounts = []
+    for r in steps:
+        reasons = "".join(
+            f", {key.removeprefix('masked/')} {int(value)}"
+            for key, value in sorted(r.items())
+            if key.startswith("masked/") and value
+        )
+        accounts.append(
+            f"step {int(r['step'])}: {int(r['rollout/rows'])} rows = {int(r['preprocess/trained'])} "
+            f"trained + {int(r['preprocess/masked'])} masked{reasons}"
+        )
+    record_fault("bad_rows_in_sync_training", "; ".join(accounts))
     for record in steps:
         by_reason = {k: v for k, v in record.items() if k.startswith("masked/")}
         assert record["rollout/rows"] == PROMPTS * GROUP
@@ -94,12 +107,25 @@ def test_metrics_account_for_every_row(run: Run) -> None:
     assert sum(totals.values()) > 0
 
 
-def test_each_bad_row_is_masked_with_a_reason_naming_its_file(run: Run) -> None:
+def test_each_bad_row_is_masked_with_a_reason_naming_its_file(
+    run: Run, record_fault: FaultRecorder
+) -> None:
     _, _, masked, bad = run
     by_row: dict[str, list[dict]] = {}
     for entry in masked:
         by_row.setdefault(entry["task_id"], []).append(entry)
-    # Only the bad rows are masked, and every one was (each row is dispatched in the two steps).
+    named = sum(
+        bool(entry["detail"])
+        and [PurePosixPath(ref).name for ref in entry["media"]] == [bad.get(entry["task_id"])]
+        for entry in masked
+    )
+    record_fault(
+        "bad_rows_in_sync_training",
+        f"{len(set(by_row) & set(bad))}/{len(bad)} bad rows masked, {len(set(by_row) - set(bad))} good rows "
+        f"masked; {named}/{len(masked)} masked samples name their file, reasons "
+        f"{dict(sorted(Counter(entry['reason'] for entry in masked).items()))}",
+    )
+    # Only the bad rows are masked, and every one was (the two steps of 13 prompts cover all 25 rows).
     assert set(by_row) == set(bad)
     for task_id, entries in by_row.items():
         assert len(entries) % GROUP == 0, (task_id, entries)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
 from rl_bridge.services.gym_server import GymServers, GymServerSpec, start_gym_servers, video_model_server_spec
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from tests.fixtures.bad_inputs import FaultRecorder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -153,7 +155,28 @@ def _assert_each_row_once(rows: list[dict[str, Any]], results: list[RolloutResul
     assert all(rows[r.index]["row_id"] == r.result["row_id"] for r in results if r.result is not None)
 
 
-def test_vllm_killed_mid_rollout_is_restarted_and_every_row_completes(stack: Stack) -> None:
+def _outcomes(results: list[RolloutResult]) -> str:
+    """``"2/2 ok, attempts [2, 2]"``: outcomes out of the rows, and each row's attempts."""
+    counts = Counter(r.outcome for r in results)
+    shares = ", ".join(f"{count}/{len(results)} {outcome}" for outcome, count in sorted(counts.items()))
+    return f"{shares}, attempts {[r.attempts for r in results]}"
+
+
+def _reason(error: str | None, marker: str = "invalid_media", chars: int = 200) -> str:
+    """At most ``chars`` characters of ``error`` that end with its last ``marker`` and start at a
+    word (the inner server's message and error code, at the end of the agent's nested error text),
+    without the nesting's backslashes; its first ``chars`` when ``marker`` is not in it."""
+    text = (error or "").replace("\\", "")
+    end = text.rfind(marker) + len(marker)
+    if end < len(marker):
+        return text[:chars]
+    start = max(end - chars, 0)
+    return text[start:end] if start == 0 else text[start:end].partition(" ")[2]
+
+
+def test_vllm_killed_mid_rollout_is_restarted_and_every_row_completes(
+    stack: Stack, record_fault: FaultRecorder
+) -> None:
     rows = stack.rows
     done: list[RolloutResult] = []
     killed: list[int] = []
@@ -175,6 +198,15 @@ def test_vllm_killed_mid_rollout_is_restarted_and_every_row_completes(stack: Sta
             on_done=kill_after_three,
         )
 
+    answered = [r.result["row_id"] for r in results if r.result is not None]
+    record_fault(
+        "vllm_killed_mid_rollout",
+        f"{'killed after 3 rows' if killed else 'never killed'}; "
+        f"{stats.outcomes['ok']}/{len(rows)} rows ok, {stats.server_restarts} restart(s), "
+        f"{stats.redispatches} re-dispatched after the restart, {stats.retries} retried, "
+        f"{len(answered) - len(set(answered))} duplicate row ids, "
+        f"{len(rows) - len(set(answered))} missing",
+    )
     assert killed, "vLLM was never killed: the rollout finished before three rows did"
     _assert_each_row_once(rows, results)
     assert [r.outcome for r in results] == ["ok"] * len(rows), [r.error for r in results if r.outcome != "ok"]
@@ -186,7 +218,9 @@ def test_vllm_killed_mid_rollout_is_restarted_and_every_row_completes(stack: Sta
     assert requests.get(stack.vllm.health_url, timeout=10).status_code == 200
 
 
-def test_failing_and_hanging_resources_server_rows_are_retried_then_counted(stack: Stack) -> None:
+def test_failing_and_hanging_resources_server_rows_are_retried_then_counted(
+    stack: Stack, record_fault: FaultRecorder
+) -> None:
     faults = ["none"] * 4 + ["flaky"] * 2 + ["hang"] * 2 + ["error"] * 2
     rows = [{**row, "fault": fault} for row, fault in zip(stack.rows, faults, strict=False)]
     # A video outside the media root: the model server refuses it (a content error, never retried).
@@ -200,10 +234,21 @@ def test_failing_and_hanging_resources_server_rows_are_retried_then_counted(stac
     settings = RolloutSettings(max_in_flight=4, max_attempts=2, timeout_s=30, backoff_s=0.5)
     results, stats = collect_rollouts(stack.gym.url(FLAKY_AGENT), rows, settings, supervisor=stack.supervisor)
 
-    _assert_each_row_once(rows, results)
     by_fault: dict[str, list[RolloutResult]] = {}
     for row, result in zip(rows, results, strict=True):
         by_fault.setdefault("refused" if row is refused else row["fault"], []).append(result)
+    others = f"the {len(by_fault.get('none', []))} fault-free rows: {_outcomes(by_fault.get('none', []))}"
+    for fault_id, fault in [
+        ("resources_server_error", "error"),
+        ("resources_server_flaky", "flaky"),
+        ("resources_server_hang", "hang"),
+    ]:
+        record_fault(fault_id, f"{_outcomes(by_fault.get(fault, []))}; {others}")
+    record_fault(
+        "model_server_refuses_row",
+        "; ".join(f"{_outcomes([r])}: {_reason(r.error)}" for r in by_fault.get("refused", [])),
+    )
+    _assert_each_row_once(rows, results)
     assert all(r.outcome == "ok" and r.attempts == 1 for r in by_fault["none"])
     assert all(r.outcome == "ok" and r.attempts == 2 for r in by_fault["flaky"] + by_fault["hang"])
     assert all(r.outcome == "infra_failed" and r.attempts == 2 for r in by_fault["error"])

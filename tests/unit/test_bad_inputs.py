@@ -25,7 +25,7 @@ from rl_bridge.paths import project_root
 from rl_bridge.policy_inputs import PolicyInputBuilder, RolloutInputs
 from rl_bridge.processors import load_processor
 from rl_bridge.processors.qwen import QwenVLProcessor
-from tests.fixtures.bad_inputs import Corpus, ReliabilityReport, case_ids, corpus_layers
+from tests.fixtures.bad_inputs import FAULTS, Corpus, ReliabilityReport, case_ids, corpus_layers
 from vllm_video_plugin.cache import DecodeCache
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.decode import DecodeLimits
@@ -367,3 +367,43 @@ def test_reliability_doc_has_a_row_for_every_case_and_layer() -> None:
     ]
     assert not missing, f"docs/RELIABILITY.md has no row for {missing}; regenerate it (see its last section)"
     assert set(LAYERS) >= {layer for layers in corpus_layers().values() for layer in layers}
+
+
+def test_reliability_doc_has_a_row_for_every_fault() -> None:
+    """docs/RELIABILITY.md has a row, with its layer, for every fault of the catalogue as defined now."""
+    text = (project_root() / "docs" / "RELIABILITY.md").read_text()
+    missing = [
+        f"{fault.id}/{fault.layer}"
+        for fault in FAULTS
+        if not re.search(rf"^\| `{re.escape(fault.id)}` \| {fault.layer} \|", text, flags=re.MULTILINE)
+    ]
+    assert not missing, (
+        f"docs/RELIABILITY.md has no row for faults {missing}; regenerate it (see its last section)"
+    )
+
+
+def test_fault_observations_name_a_catalogued_test_and_merge_per_fault_and_test(tmp_path: Path) -> None:
+    fault = next(fault for fault in FAULTS if len(fault.tests) > 1)
+    first, second = fault.tests[:2]
+    with pytest.raises(ValueError, match="not in the catalogue"):
+        ReliabilityReport().record_fault("no_such_fault", first, "observed")
+    with pytest.raises(ValueError, match=f"records fault '{fault.id}', whose catalogue entry names only"):
+        ReliabilityReport().record_fault(fault.id, "tests/unit/test_elsewhere.py::test_x", "observed")
+
+    path = tmp_path / "report.json"
+    earlier = ReliabilityReport()
+    earlier.record_fault(fault.id, first, "by the first test")
+    earlier.record_fault(fault.id, second, "by the second test, earlier")
+    earlier.test_finished(first, passed=True)
+    earlier.merge_into(path)
+    later = ReliabilityReport(substitutions={str(tmp_path): "<tmp>"})
+    later.record_fault(fault.id, second, f"by the second test in {tmp_path}")
+    later.test_finished(second, passed=False)
+    later.merge_into(path)
+
+    report = json.loads(path.read_text())
+    assert [entry["id"] for entry in report["faults"]] == [fault.id for fault in FAULTS]
+    observations = {entry["test"]: entry for entry in report["fault_results"]}
+    assert observations[first]["observed"] == "by the first test" and observations[first]["passed"] is True
+    assert observations[second]["observed"] == "by the second test in <tmp>"
+    assert observations[second]["passed"] is False

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 
+from hypothesis import settings
+
 # Nothing in this project may reach a model hub: tiny models are built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Fuzz tests draw the same examples on every run (reproducible CI); HYPOTHESIS_PROFILE=explore
+# draws new ones each run, to look for new failures.
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 pytest_plugins = [
     "tests.fixtures.media",

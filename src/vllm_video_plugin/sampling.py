@@ -32,6 +32,7 @@ from vllm_video_plugin.contract import SamplingStyle, VideoSamplingContract
 from vllm_video_plugin.errors import VideoSamplingError
 
 __all__ = [
+    "MIN_SOURCE_FPS",
     "QWEN3_UNKNOWN_FPS",
     "FrameSample",
     "nemotron_prompt_timestamps",
@@ -88,9 +89,13 @@ def _check_duration(duration_s: float) -> None:
         raise VideoSamplingError(f"duration {duration_s} s is not a finite, non-negative number")
 
 
+MIN_SOURCE_FPS = 1e-6
+"""Smallest usable source frame rate, frames per second (one frame in about 11.6 days): no real
+video is slower, and the frame times a slower rate implies overflow floating point."""
+
+
 def _check_fps(source_fps: float, style: str) -> None:
-    # A rate so small that one frame's duration in milliseconds overflows is as unusable as none.
-    if not math.isfinite(source_fps) or source_fps <= 0 or not math.isfinite(_MS_PER_S / source_fps):
+    if not math.isfinite(source_fps) or source_fps < MIN_SOURCE_FPS:
         raise VideoSamplingError(
             f"style {style!r} needs the video's frame rate, got {source_fps} frames/s (unknown or invalid)"
         )
@@ -287,6 +292,11 @@ def sample_frames(
     """
     _check_total(total_frames)
     _check_duration(duration_s)
+    if 0 < source_fps < MIN_SOURCE_FPS:
+        raise VideoSamplingError(
+            f"source frame rate {source_fps} frames/s is below {MIN_SOURCE_FPS} (one frame in more than "
+            "11 days): not a usable rate"
+        )
     style = contract.style
     tps = contract.temporal_patch_size
     seconds_per_patch: float | None = None

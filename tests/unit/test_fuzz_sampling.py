@@ -106,6 +106,14 @@ def _assert_rounded(actual: list[int], exact: list[Fraction]) -> None:
 )
 # total / source_fps overflows before the clamp to [min_frames, max_frames].
 @example(total=2, source_fps=5e-324, duration=1.0, contract=VideoSamplingContract(style="qwen3_vl"))
+# 1000 / fps is finite, but a frame index times it overflows (and qwen3's timestamps are infinite).
+@example(total=3, source_fps=6.447186387917766e-306, duration=0.0, contract=VideoSamplingContract(style="uniform"))
+@example(
+    total=581,
+    source_fps=6.447186387917766e-306,
+    duration=0.0,
+    contract=VideoSamplingContract(style="qwen3_vl", fps=1.0, min_frames=1, max_frames=2, temporal_patch_size=1),
+)
 def test_any_video_gives_a_usable_sample_or_a_sampling_error(
     total: int, source_fps: float, duration: float, contract: VideoSamplingContract
 ) -> None:

@@ -114,7 +114,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_qwen25vl: Path) -> Iter
             dtype="float32",
             allowed_local_media_path=media_root,
             max_model_len=2048,
-            startup_timeout_s=900,  # 60-90 s alone; far longer when other sessions share the CPU
+            startup_timeout_s=900,  # 60-90 s alone; far longer when other work shares the CPU
         ),
         log_dir=run_dir / "vllm",
     )

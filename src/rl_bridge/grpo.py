@@ -10,15 +10,25 @@ Three log-probability tensors of the generated tokens meet in the loss, as in de
 - ``behaviour_logprobs``: what vLLM returned when it sampled the tokens (policy ``mu``). In async
   training ``mu`` is an older version of the weights, and even in sync training vLLM's numerics
   differ from the trainer's.
-- ``old_logprobs``: the trainer's own recomputation with the weights at the start of this step,
-  before any update (the proximal policy ``pi_old``). Optional; without it the behaviour
-  logprobs act as the proximal policy.
+- ``old_logprobs``: the trainer's own logprobs with the weights at the start of the rollout
+  batch's updates (the proximal policy ``pi_old``). With several optimizer steps per rollout
+  batch (PPO mini-batches or epochs) they come from a separate forward pass before the first
+  update; with one step they are the training forward's own detached logprobs (the same values,
+  one forward fewer), which is what ``old_logprobs=None`` means with
+  ``proximal_policy="trainer"``.
 - ``logprobs``: the trainer's current policy ``pi_theta``, the only tensor with a gradient.
 
 The PPO ratio ``pi_theta / pi_old`` is clipped (trust region around the proximal policy); the
 importance-sampling weight ``pi_old / mu`` (detached, truncated at ``tis_cap``) corrects for the
 tokens having been sampled from ``mu``; and the train/inference mismatch metrics compare ``mu``
-with the trainer's ``pi_old`` (or ``pi_theta`` when no recomputation was made).
+with the trainer's ``pi_old``. With ``proximal_policy="behaviour"`` vLLM's ``mu`` is itself the
+proximal policy (decoupled PPO's "bypass" mode, as in AReaL and verl): the ratio
+``pi_theta / mu`` is clipped and there is no separate IS weight.
+
+Aggregation (``loss_agg_mode``) follows verl's names; numerator and denominator always run over
+the same tokens (those of sequences with a positive weight), and the denominator of a step split
+into micro-batches and data-parallel ranks is the sum of :func:`loss_denominator` over all of them,
+so the loss and its gradient do not depend on the split.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import Tensor
 
 __all__ = [
@@ -36,16 +46,20 @@ __all__ = [
     "KLEstimator",
     "LossAggMode",
     "MismatchStats",
+    "ProximalPolicy",
     "group_advantages",
     "grpo_loss",
     "kl_estimate",
+    "loss_denominator",
+    "mismatch_exceeds",
     "needs_reference",
     "selective_log_softmax",
     "train_inference_mismatch",
 ]
 
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+ProximalPolicy = Literal["trainer", "behaviour"]
 
 _MAX_ABS_LOG_RATIO = 20.0
 """Bound on ``log(pi_theta / pi_old)`` before ``exp``, a numerical guard as in verl's PPO loss."""
@@ -58,7 +72,8 @@ class GRPOLossConfig(BaseModel):
 
     normalize_std: bool = True
     """Divide each group's advantages by the group's reward std (Bessel-corrected, valid samples
-    only) plus ``std_eps``, as in GRPO. False keeps the raw ``reward - baseline`` (Dr. GRPO)."""
+    only) plus ``std_eps``, as in GRPO. False keeps the raw ``reward - baseline``: one half of
+    Dr. GRPO (Liu et al. 2025); its other half is ``loss_agg_mode="seq-mean-token-sum-norm"``."""
     leave_one_out: bool = False
     """Baseline each sample with the mean of the *other* valid samples of its group (RLOO,
     Ahmadian et al. 2024) instead of the group mean including itself."""
@@ -71,10 +86,28 @@ class GRPOLossConfig(BaseModel):
     """Upper clip: the ratio is clipped above at ``1 + eps_high``. Defaults to DAPO's
     "clip-higher" value (Yu et al. 2025), which keeps low-probability tokens able to grow."""
     loss_agg_mode: LossAggMode = "token-mean"
-    """How per-token losses become a scalar (names as in verl). ``"token-mean"``: sum over all valid
-    tokens of the batch divided by their number (every token weighs the same, DAPO).
-    ``"seq-mean-token-mean"``: mean over each sequence's valid tokens, then mean over sequences
-    (every sequence weighs the same, original GRPO)."""
+    """How per-token losses ``l[i, t]`` of sequences ``i`` (weights ``w_i``, ``n_i`` valid tokens)
+    become a scalar; names and meanings as in verl's ``agg_loss``:
+
+    - ``"token-mean"``: ``sum_i w_i sum_t l / sum_i w_i n_i``: every token weighs the same, over
+      the whole step (DAPO, Yu et al. 2025; TRL's ``loss_type="dapo"``);
+    - ``"seq-mean-token-mean"``: ``sum_i w_i (sum_t l / n_i) / sum_i w_i``: every sequence weighs
+      the same (the original GRPO, Shao et al. 2024; TRL's ``loss_type="grpo"``);
+    - ``"seq-mean-token-sum"``: ``sum_i w_i sum_t l / sum_i w_i``: longer sequences weigh more;
+    - ``"seq-mean-token-sum-norm"``: ``sum_i w_i sum_t l / (L * sum_i w_i)`` with the constant
+      ``L = loss_norm_tokens``: Dr. GRPO's length-unbiased normaliser (Liu et al. 2025; TRL's
+      ``loss_type="dr_grpo"``), paired with ``normalize_std=False`` for the whole of Dr. GRPO.
+    """
+    loss_norm_tokens: PositiveInt | None = None
+    """The constant ``L`` of ``seq-mean-token-sum-norm`` (Dr. GRPO uses the generation budget, the
+    most tokens a response may have); required by that mode, unused by the others."""
+    proximal_policy: ProximalPolicy = "trainer"
+    """The policy the PPO ratio is taken against. ``"trainer"``: ``pi_old``, the trainer's own
+    logprobs before the rollout batch's first update, with the truncated IS weight ``pi_old / mu``
+    for the tokens having been sampled by vLLM (standard PPO/GRPO). ``"behaviour"``: vLLM's
+    logprobs ``mu`` (decoupled PPO's bypass mode, for async runs whose groups are several weight
+    versions old): the clipped ratio ``pi_theta / mu`` corrects for the staleness itself, no IS
+    weight is applied and no recomputation of ``pi_old`` is ever needed."""
 
     kl_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the KL penalty to the reference policy. 0 disables it and the reference
@@ -83,14 +116,27 @@ class GRPOLossConfig(BaseModel):
     """Per-token KL estimator, see :func:`kl_estimate`."""
 
     use_importance_sampling: bool = True
-    """Weight each token by ``pi_old / mu`` when both ``old_logprobs`` and ``behaviour_logprobs``
-    are given (off-policy correction for async samples and for vLLM/trainer numerics)."""
+    """With ``proximal_policy="trainer"``, weight each token's policy-gradient term by
+    ``pi_old / mu`` when vLLM's ``behaviour_logprobs`` are given (off-policy correction for
+    async samples and for vLLM/trainer numerics). The KL term is never IS-weighted."""
     tis_cap: float | None = Field(default=2.0, gt=0.0)
     """Truncate the importance weight at this value (truncated IS, "TIS"); None: no truncation."""
 
     seq_mismatch_threshold: float | None = Field(default=None, gt=1.0)
     """Mask (loss weight 0) every sequence whose sequence multiplicative probability error
-    ``exp(|sum_t (trainer - vLLM logprob)|)`` exceeds this; None: only log the error."""
+    ``exp(|sum_t (trainer - vLLM logprob)|)`` exceeds this, before the step (the loop counts them
+    in ``mismatch/masked_seqs``; masked sequences leave numerator and denominator alike: see
+    :func:`mismatch_exceeds`); None: only log the error. A departure from the textbook loss, off
+    by default."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOLossConfig:
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_tokens is None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant token count: set "
+                "loss_norm_tokens (Dr. GRPO uses the generation budget, rollout.max_output_tokens)"
+            )
+        return self
 
 
 def needs_reference(config: GRPOLossConfig) -> bool:
@@ -351,6 +397,58 @@ def train_inference_mismatch(
 # ---------------------------------------------------------------------------------------------
 
 
+def mismatch_exceeds(
+    trainer_logprobs: Tensor, behaviour_logprobs: Tensor, token_mask: Tensor, threshold: float | None
+) -> Tensor:
+    """``[B]`` bool: sequences whose multiplicative probability error exceeds ``threshold``.
+
+    The error is :attr:`MismatchStats.seq_mult_prob_error`, ``exp(|sum_t (trainer - vLLM)|)`` over
+    the valid tokens. The loop gives such sequences loss weight 0 *before* the step
+    (``GRPOLossConfig.seq_mismatch_threshold``), so they leave the loss's numerator and its
+    denominator (:func:`loss_denominator`) alike. ``threshold=None``: none exceeds.
+    """
+    stats = train_inference_mismatch(trainer_logprobs, behaviour_logprobs, token_mask)
+    if threshold is None:
+        return torch.zeros_like(stats.seq_mult_prob_error, dtype=torch.bool)
+    return (token_mask > 0).any(dim=-1) & (stats.seq_mult_prob_error > threshold)
+
+
+def loss_denominator(token_mask: Tensor, sample_weights: Tensor | None, config: GRPOLossConfig) -> Tensor:
+    """The denominator of ``config.loss_agg_mode`` over these sequences (fp64, 0-dim).
+
+    ``token-mean``: ``sum_i w_i n_i``; ``seq-mean-token-mean`` and ``seq-mean-token-sum``:
+    ``sum_i w_i`` over sequences with a valid token; ``seq-mean-token-sum-norm``: that times
+    ``loss_norm_tokens``. A token is valid where ``token_mask`` > 0 and its sequence's weight > 0,
+    exactly as in :func:`grpo_loss`'s numerator. Sum it over every micro-batch and data-parallel
+    rank of a step and pass the sum as :func:`grpo_loss`'s ``normalizer``: the parts' losses then
+    sum to the step's loss.
+
+    Args:
+        token_mask: ``[B, T]`` bool or 0/1.
+        sample_weights: ``[B]`` loss weights; None: all 1.
+        config: the loss knobs.
+    """
+    weights = (
+        torch.ones(token_mask.shape[0], dtype=torch.float64, device=token_mask.device)
+        if sample_weights is None
+        else sample_weights.detach().double()
+    )
+    _check_shape("sample_weights", weights, token_mask.shape[:1])
+    valid = (token_mask > 0) & (weights > 0).unsqueeze(-1)  # (B, T)
+    tokens = valid.sum(dim=-1).double()  # (B,)
+    if config.loss_agg_mode == "token-mean":
+        return (weights * tokens).sum()
+    sequences = torch.where(tokens > 0, weights, 0.0).sum()
+    if config.loss_agg_mode == "seq-mean-token-sum-norm":
+        assert config.loss_norm_tokens is not None  # the config's validator
+        return sequences * config.loss_norm_tokens
+    if config.loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return sequences
+    raise ValueError(
+        f"Unsupported loss_agg_mode: {config.loss_agg_mode!r}. Supported modes are: {list(get_args(LossAggMode))}"
+    )
+
+
 def grpo_loss(
     logprobs: Tensor,
     advantages: Tensor,
@@ -367,18 +465,21 @@ def grpo_loss(
 
     Per valid token, with ``ratio = exp(logprobs - proximal)``::
 
-        pg  = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
-        kl  = kl_estimate(logprobs, ref_logprobs)                    # only if kl_coef > 0
-        is_w = min(exp(old_logprobs - behaviour_logprobs), tis_cap)  # detached; 1 if unused
-        per_token = is_w * pg  and  is_w * kl
-        loss = agg(per_token pg) + kl_coef * agg(per_token kl)
+        pg   = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+        is_w = min(exp(pi_old - behaviour_logprobs), tis_cap)   # detached; 1 if unused
+        kl   = kl_estimate(logprobs, ref_logprobs)              # only if kl_coef > 0
+        loss = agg(is_w * pg) + kl_coef * agg(kl)
 
-    ``proximal`` is ``old_logprobs`` if given, else ``behaviour_logprobs`` (then no IS weight is
-    applied: the clipped ratio itself corrects for the behaviour policy, as in verl's bypass
-    mode). ``agg`` is the config's ``loss_agg_mode`` weighted by ``sample_weights``.
+    ``proximal`` is, with ``config.proximal_policy="trainer"``, ``old_logprobs`` when given and
+    otherwise ``logprobs.detach()`` (one optimizer step per rollout batch: the weights have not
+    moved since the tokens' ``pi_old`` was defined, so the ratio is exactly 1 and the gradient is
+    the plain policy gradient); with ``"behaviour"`` it is ``behaviour_logprobs`` and no IS weight
+    is applied. ``agg`` is the config's ``loss_agg_mode`` (see :class:`GRPOLossConfig`) weighted by
+    ``sample_weights``; zero-advantage sequences stay in it (they add no policy gradient, but
+    their tokens count and their KL term acts).
 
-    A token is valid where ``token_mask`` > 0 and its sequence's weight > 0; with
-    ``seq_mismatch_threshold`` set, sequences whose mismatch exceeds it get weight 0 first.
+    A token is valid where ``token_mask`` > 0 and its sequence's weight > 0. Masking sequences for
+    train/inference mismatch is done by the caller, with weights (:func:`mismatch_exceeds`).
 
     Args:
         logprobs: ``[B, T]`` current-policy logprobs of the generated tokens (with gradient).
@@ -386,33 +487,35 @@ def grpo_loss(
         token_mask: ``[B, T]`` bool or 0/1: positions that are trained (generated tokens of
             trainable turns); everything else gets zero gradient.
         config: the loss knobs.
-        old_logprobs: ``[B, T]`` the trainer's logprobs before this step's updates (``pi_old``);
-            None when the loop skipped that pass.
-        behaviour_logprobs: ``[B, T]`` vLLM's logprobs (``mu``); needed for the IS weight and the
-            mismatch metrics. At least one of ``old_logprobs`` and ``behaviour_logprobs`` is
-            required.
+        old_logprobs: ``[B, T]`` the trainer's logprobs before the rollout batch's first update
+            (``pi_old``); None: the batch gets one optimizer step and ``logprobs.detach()`` are
+            ``pi_old`` (``proximal_policy="trainer"``), or they are not used (``"behaviour"``).
+        behaviour_logprobs: ``[B, T]`` vLLM's logprobs (``mu``); needed for the IS weight, the
+            mismatch metrics and ``proximal_policy="behaviour"``.
         ref_logprobs: ``[B, T]`` reference-policy logprobs; required if and only if
             ``kl_coef > 0`` (None is accepted and ignored otherwise).
         sample_weights: ``[B]`` loss weight per sequence (0 removes a sequence from numerator and
             denominator); None: all 1.
-        normalizer: the denominator of the aggregation: number of valid tokens (``token-mean``)
-            or of valid sequences (``seq-mean-token-mean``). None: this call's own count. Pass
-            the count of the whole step's batch when it is split into micro-batches, so the
-            micro-batch losses sum to the batch loss.
+        normalizer: the aggregation's denominator. None: this call's own
+            :func:`loss_denominator`. Pass the sum of :func:`loss_denominator` over the whole
+            step's micro-batches (and data-parallel ranks), so the parts sum to the step's loss.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss, and detached 0-dim float tensors keyed
-        ``loss/total``, ``loss/pg``, ``clip/frac_low``, ``clip/frac_high``, ``ratio/mean``,
-        ``tokens/valid``; with ``kl_coef > 0`` also ``loss/kl`` (mean KL estimate over valid
-        tokens); with IS weights also ``is/weight_mean``, ``is/frac_truncated``; with
+        ``loss/total``, ``loss/pg``, ``clip/frac_low``, ``clip/frac_high``, ``clip/frac``,
+        ``ratio/mean``, ``tokens/valid``; with ``kl_coef > 0`` also ``loss/kl`` (mean KL estimate
+        over valid tokens); with IS weights also ``is/weight_mean``, ``is/frac_truncated``; with
         ``behaviour_logprobs`` also ``mismatch/token_mult_prob_error``,
         ``mismatch/seq_mult_prob_error`` (mean over sequences), ``mismatch/seq_mult_prob_error_max``,
-        ``mismatch/max_abs_logprob_diff``, ``mismatch/masked_seqs``. Token fractions and means
-        are over this call's valid tokens. Group metrics come from :meth:`GroupAdvantages.metrics`.
+        ``mismatch/max_abs_logprob_diff``. Token fractions and means are over this call's valid
+        tokens. ``clip/frac_low`` counts tokens whose ratio is below ``1 - eps_low`` with a negative
+        advantage, ``clip/frac_high`` above ``1 + eps_high`` with a positive one: exactly the
+        tokens the clip takes the gradient from. Group metrics come from
+        :meth:`GroupAdvantages.metrics`.
 
     Raises:
-        ValueError: a shape mismatch (naming the input), neither ``old_logprobs`` nor
-            ``behaviour_logprobs`` given, or ``kl_coef > 0`` without ``ref_logprobs``.
+        ValueError: a shape mismatch (naming the input), ``proximal_policy="behaviour"`` without
+            ``behaviour_logprobs``, or ``kl_coef > 0`` without ``ref_logprobs``.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -422,11 +525,17 @@ def grpo_loss(
     for name, tensor in (("old_logprobs", old_logprobs), ("behaviour_logprobs", behaviour_logprobs)):
         if tensor is not None:
             _check_shape(name, tensor, logprobs.shape)
-    proximal = old_logprobs if old_logprobs is not None else behaviour_logprobs
-    if proximal is None:
-        raise ValueError(
-            "grpo_loss needs old_logprobs or behaviour_logprobs for the policy ratio; got neither"
-        )
+    if config.proximal_policy == "behaviour":
+        if behaviour_logprobs is None:
+            raise ValueError(
+                "proximal_policy='behaviour' takes the ratio against vLLM's logprobs: "
+                "behaviour_logprobs are required"
+            )
+        pi_old = old_logprobs.detach() if old_logprobs is not None else logprobs.detach()
+        proximal = behaviour_logprobs.detach()
+    else:
+        pi_old = old_logprobs.detach() if old_logprobs is not None else logprobs.detach()
+        proximal = pi_old
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={config.kl_coef} > 0 needs ref_logprobs; got None")
@@ -437,15 +546,15 @@ def grpo_loss(
         _check_shape("sample_weights", sample_weights, (batch_size,))
         weights = sample_weights.to(logprobs.dtype)
     metrics: dict[str, Tensor] = {}
+    valid = (token_mask > 0) & (weights > 0).unsqueeze(-1)  # (B, T)
+    token_weights = torch.where(valid, weights.unsqueeze(-1), 0.0)  # (B, T)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
 
-    # Train/inference mismatch, and optional masking of the worst sequences.
+    # Train/inference mismatch: the trainer's pi_old against vLLM's mu.
     if behaviour_logprobs is not None:
-        trainer_lp = old_logprobs if old_logprobs is not None else logprobs.detach()
-        in_batch = (token_mask > 0) & (weights > 0).unsqueeze(-1)
-        stats = train_inference_mismatch(trainer_lp, behaviour_logprobs, in_batch)
+        stats = train_inference_mismatch(pi_old, behaviour_logprobs, valid)
         with torch.no_grad():
-            seqs = in_batch.any(dim=-1)
-            seq_error = stats.seq_mult_prob_error[seqs]
+            seq_error = stats.seq_mult_prob_error[valid.any(dim=-1)]
             metrics["mismatch/token_mult_prob_error"] = stats.token_mult_prob_error
             metrics["mismatch/seq_mult_prob_error"] = (
                 seq_error.mean() if seq_error.numel() else seq_error.new_ones(())
@@ -454,26 +563,21 @@ def grpo_loss(
                 seq_error.amax() if seq_error.numel() else seq_error.new_ones(())
             )
             metrics["mismatch/max_abs_logprob_diff"] = stats.max_abs_logprob_diff
-        if config.seq_mismatch_threshold is not None:
-            over = seqs & (stats.seq_mult_prob_error > config.seq_mismatch_threshold)
-            metrics["mismatch/masked_seqs"] = over.sum().float()
-            weights = torch.where(over, 0.0, weights)
-
-    valid = (token_mask > 0) & (weights > 0).unsqueeze(-1)  # (B, T)
-    token_weights = torch.where(valid, weights.unsqueeze(-1), 0.0)  # (B, T)
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
 
     # Policy ratio against the proximal policy, clipped asymmetrically.
-    log_ratio = (logprobs - proximal.detach()).clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+    log_ratio = (logprobs - proximal).clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio
     pg_loss2 = -adv * torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high)
     per_token_pg = torch.max(pg_loss1, pg_loss2)
 
-    # Truncated importance weight pi_old / mu for tokens sampled by mu.
-    is_weight: Tensor | None = None  # (B, T)
-    if config.use_importance_sampling and old_logprobs is not None and behaviour_logprobs is not None:
-        raw_is_weight = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach())  # (B, T)
+    # Truncated importance weight pi_old / mu for tokens sampled by mu (policy gradient only).
+    if (
+        config.proximal_policy == "trainer"
+        and config.use_importance_sampling
+        and behaviour_logprobs is not None
+    ):
+        raw_is_weight = torch.exp(pi_old - behaviour_logprobs.detach())  # (B, T)
         is_weight = raw_is_weight if config.tis_cap is None else raw_is_weight.clamp(max=config.tis_cap)
         per_token_pg = is_weight * per_token_pg
         with torch.no_grad():
@@ -484,7 +588,7 @@ def grpo_loss(
             metrics["is/frac_truncated"] = _masked_mean(truncated, valid)
 
     if normalizer is None:
-        normalizer = valid.sum() if config.loss_agg_mode == "token-mean" else valid.any(dim=-1).sum()
+        normalizer = loss_denominator(token_mask, weights, config)
     pg_loss = _aggregate(per_token_pg, token_weights, valid, config.loss_agg_mode, normalizer)
     loss = pg_loss
 
@@ -492,16 +596,18 @@ def grpo_loss(
     if config.kl_coef > 0:
         assert ref_logprobs is not None  # checked above
         per_token_kl = kl_estimate(logprobs, ref_logprobs.detach(), config.kl_estimator)
-        weighted_kl = per_token_kl if is_weight is None else is_weight * per_token_kl
         loss = loss + config.kl_coef * _aggregate(
-            weighted_kl, token_weights, valid, config.loss_agg_mode, normalizer
+            per_token_kl, token_weights, valid, config.loss_agg_mode, normalizer
         )
 
     with torch.no_grad():
+        clipped_low = (ratio < 1 - config.eps_low) & (adv < 0)
+        clipped_high = (ratio > 1 + config.eps_high) & (adv > 0)
         metrics["loss/total"] = loss.detach()
         metrics["loss/pg"] = pg_loss.detach()
-        metrics["clip/frac_low"] = _masked_mean((ratio < 1 - config.eps_low) & (adv < 0), valid)
-        metrics["clip/frac_high"] = _masked_mean((ratio > 1 + config.eps_high) & (adv > 0), valid)
+        metrics["clip/frac_low"] = _masked_mean(clipped_low, valid)
+        metrics["clip/frac_high"] = _masked_mean(clipped_high, valid)
+        metrics["clip/frac"] = _masked_mean(clipped_low | clipped_high, valid)
         metrics["ratio/mean"] = _masked_mean(ratio, valid)
         metrics["tokens/valid"] = valid.sum().float()
         if per_token_kl is not None:
@@ -518,20 +624,21 @@ def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:
 def _aggregate(
     per_token: Tensor, token_weights: Tensor, valid: Tensor, mode: LossAggMode, normalizer: float | Tensor
 ) -> Tensor:
-    """Weighted ``[B, T]`` per-token values to a scalar by ``mode`` (see ``GRPOLossConfig.loss_agg_mode``).
+    """Weighted ``[B, T]`` per-token values to a scalar by ``mode`` (see ``GRPOLossConfig.loss_agg_mode``),
+    divided by ``normalizer`` (:func:`loss_denominator` of the whole step).
 
     A zero ``normalizer`` (nothing valid) gives a zero loss that still backpropagates (zeros).
     """
     weighted = torch.where(valid, per_token * token_weights, 0.0)  # (B, T)
     if isinstance(normalizer, Tensor):
-        denominator = normalizer.clamp(min=1)
+        denominator = normalizer.to(per_token.dtype).clamp(min=1e-12)
     else:
-        denominator = max(normalizer, 1)
-    if mode == "token-mean":
-        return weighted.sum() / denominator
+        denominator = max(float(normalizer), 1e-12)
     if mode == "seq-mean-token-mean":
         seq_tokens = valid.sum(dim=-1).clamp(min=1)  # (B,)
         return (weighted.sum(dim=-1) / seq_tokens).sum() / denominator
+    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return weighted.sum() / denominator
     raise ValueError(
         f"Unsupported loss_agg_mode: {mode!r}. Supported modes are: {list(get_args(LossAggMode))}"
     )

@@ -1,10 +1,16 @@
 """Rollout collection from a Gym agent's ``/run`` endpoint: concurrent, bounded, retried, accounted.
 
 :func:`collect_rollouts` posts every row to ``<agent>/run`` with at most ``max_in_flight`` requests
-open at a time. Each row ends in exactly one of three states, so a step's metrics account for every
-row (``rollout/rows == rollout/ok + rollout/content_failed + rollout/infra_failed``):
+open at a time. Each row ends in exactly one of four states, so a step's metrics account for every
+row (``rollout/rows == rollout/ok + rollout/policy_fault + rollout/content_failed +
+rollout/infra_failed``):
 
 - ``ok``: the agent answered 200 with a JSON object (its ``reward``, ``response`` and the row);
+- ``policy_fault``: the same, but the agent reports that the policy made the episode fail
+  (``"policy_fault": reason`` in its answer, e.g. ``video_tools_agent``'s ``context_overflow``):
+  the answer's reward is the failure reward and the trajectory so far is trained with it, like any
+  other scored rollout. A malformed tool call or a missing answer is not a fault of this kind:
+  the agent passes the error back to the model and the verifier scores the answer;
 - ``content_failed``: the agent refused the row itself (HTTP 4xx, or a 200 without a numeric
   ``reward``), or an inner server did: Gym's agents answer HTTP 500 for any failed inner call and
   quote the inner answer, so a 5xx that quotes an OpenAI-style client error (``invalid_request_error``,
@@ -36,6 +42,7 @@ from typing import Any, Literal, Protocol
 import requests
 
 __all__ = [
+    "ROLLOUT_OUTCOMES",
     "RolloutOutcome",
     "RolloutResult",
     "RolloutSettings",
@@ -44,7 +51,8 @@ __all__ = [
     "collect_rollouts",
 ]
 
-RolloutOutcome = Literal["ok", "content_failed", "infra_failed"]
+RolloutOutcome = Literal["ok", "policy_fault", "content_failed", "infra_failed"]
+ROLLOUT_OUTCOMES: tuple[RolloutOutcome, ...] = ("ok", "policy_fault", "content_failed", "infra_failed")
 
 
 class ServerGuard(Protocol):
@@ -99,14 +107,19 @@ class RolloutResult:
     """Further dispatches after the supervised server was restarted under the row (not counted
     in ``attempts``)."""
     result: dict[str, Any] | None = None
-    """The agent's answer when ``outcome == "ok"``, else ``None``."""
+    """The agent's answer when ``outcome`` is ``"ok"`` or ``"policy_fault"``, else ``None``."""
     error: str | None = None
     """The last failure (status and body, or the exception), when not ``ok``."""
 
     @property
     def reward(self) -> float | None:
-        """The agent's reward when ``ok``, else ``None``."""
+        """The agent's reward when the rollout was scored (``ok`` or ``policy_fault``), else ``None``."""
         return None if self.result is None else float(self.result["reward"])
+
+    @property
+    def policy_fault(self) -> str | None:
+        """The reason the agent gave for a ``policy_fault`` rollout, else ``None``."""
+        return None if self.result is None else self.result.get("policy_fault")
 
 
 @dataclass
@@ -124,14 +137,12 @@ class RolloutStats:
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        """``rollout/rows``, ``rollout/ok``, ``rollout/content_failed``, ``rollout/infra_failed``,
-        ``rollout/retries``, ``rollout/redispatches``, ``rollout/server_restarts``, ``rollout/wall_s``."""
+        """``rollout/rows``, ``rollout/ok``, ``rollout/policy_fault``, ``rollout/content_failed``,
+        ``rollout/infra_failed``, ``rollout/retries``, ``rollout/redispatches``,
+        ``rollout/server_restarts``, ``rollout/wall_s``."""
         return {
             "rollout/rows": float(self.rows),
-            **{
-                f"rollout/{name}": float(self.outcomes[name])
-                for name in ("ok", "content_failed", "infra_failed")
-            },
+            **{f"rollout/{name}": float(self.outcomes[name]) for name in ROLLOUT_OUTCOMES},
             "rollout/retries": float(self.retries),
             "rollout/redispatches": float(self.redispatches),
             "rollout/server_restarts": float(self.server_restarts),
@@ -221,7 +232,8 @@ def collect_rollouts(
                 generation = supervisor.generation if supervisor is not None else 0
                 try:
                     result = _run_once(session, url, rows[index], settings.timeout_s)
-                    return RolloutResult(index, "ok", attempts + 1, redispatches, result=result)
+                    outcome: RolloutOutcome = "policy_fault" if result.get("policy_fault") else "ok"
+                    return RolloutResult(index, outcome, attempts + 1, redispatches, result=result)
                 except _ContentError as failure:
                     error = str(failure)
                     return RolloutResult(index, "content_failed", attempts + 1, redispatches, error=error)

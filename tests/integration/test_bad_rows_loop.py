@@ -4,6 +4,10 @@ The bad rows (truncated, not a video, missing, zero-length, corrupt...: the corp
 :mod:`gym_video_env.synthetic.bad_inputs`) go through the real servers like the others; the run
 must complete, mask each of them with a reason that names its file, and account for every row:
 ``trained + sum(masked/<reason>) == rows`` in every step.
+
+The run also samples at temperature 0.7 (vLLM's processed logprobs against the trainer's logits
+divided by 0.7: the mismatch must stay near 1) and trains each rollout batch in 2 epochs of 2
+PPO mini-batches (4 optimizer steps, ``pi_old`` recomputed before the first).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             "task.val_rows=4",
             "validation.every=0",
             "train.checkpoint_at_end=false",
+            "rollout.temperature=0.7",
+            "train.minibatches=2",
+            "train.epochs=2",
         ],
     )
     summary = run_sync(recipe)
@@ -136,3 +143,23 @@ def test_each_bad_row_is_masked_with_a_reason_naming_its_file(
     # The model server names the file it cannot find in the error itself.
     (missing,) = [task_id for task_id, name in bad.items() if name == "missing_file.mp4"]
     assert all("missing_file.mp4: no such file" in entry["detail"] for entry in by_row[missing])
+
+
+def test_at_temperature_0_7_vllm_and_the_trainer_agree(run: Run) -> None:
+    _, steps, _, _ = run
+    for record in steps:
+        # The first step samples with the initial weights, later ones with refitted weights; the
+        # trainer's pi_old is the same function at the same temperature over the same letters.
+        assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.01, record
+        assert record["mismatch/seq_mult_prob_error_max"] < 1.05
+        assert 0.95 < record["train/is/weight_mean"] < 1.05
+
+
+def test_ppo_minibatches_and_epochs_take_four_optimizer_steps_off_the_recomputed_pi_old(run: Run) -> None:
+    _, steps, _, _ = run
+    for record in steps:
+        assert record["train/optimizer_steps"] == 4.0
+        assert record["time/logprobs_s"] > 0.0  # the pi_old pass ran
+        # After the first update of a batch the later mini-batches are off-policy: ratio != 1.
+        assert record["train/ratio/mean"] != pytest.approx(1.0, abs=1e-9)
+    assert steps[-1]["train/step"] == 4.0 * len(steps)

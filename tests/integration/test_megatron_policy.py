@@ -217,6 +217,73 @@ def test_gradient_accumulation_does_not_depend_on_the_micro_batch_split(
         )
 
 
+def test_normaliser_counts_the_weighted_sequences_whatever_the_split(
+    trained: Trained, tiny_qwen25vl: Path
+) -> None:
+    """Sequence-mean loss with one sample masked (weight 0): one micro-batch of four and four of one
+    give the loss of the three weighted sequences and the same gradient."""
+    config = GRPOLossConfig(loss_agg_mode="seq-mean-token-mean")
+    batch = [dataclasses.replace(s, loss_weight=0.0) if i == 1 else s for i, s in enumerate(trained.batch)]
+    runs = {}
+    for micro_batch_size in (4, 1):
+        policy = MegatronPolicy(tiny_qwen25vl, policy_config(micro_batch_size=micro_batch_size))
+        metrics = policy.train_step(batch, GRPOPolicyLoss(config))
+        runs[micro_batch_size] = (metrics, step_gradients(policy))
+    # On-policy (ratio 1): -(mean of the weighted sequences' advantages) = -(1 - 1 + 1) / 3.
+    for metrics, _ in runs.values():
+        assert metrics.loss == pytest.approx(-1 / 3, abs=1e-6)
+    (one, one_grads), (four, four_grads) = runs[4], runs[1]
+    assert four.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    for name, gradient in four_grads.items():
+        scale = one_grads[name].abs().max().item()
+        torch.testing.assert_close(gradient, one_grads[name], rtol=0, atol=1e-5 * max(scale, 1e-12))
+
+
+def test_training_forward_returns_pi_old_without_a_separate_pass(trained: Trained, tiny_qwen25vl: Path) -> None:
+    """With one optimizer step per rollout batch the step's own forward gives ``pi_old``: the same
+    values as :meth:`MegatronPolicy.logprobs` before the step, and the same update as with them."""
+    policy = MegatronPolicy(tiny_qwen25vl, policy_config())
+    no_old = [dataclasses.replace(s, old_logprobs=None) for s in trained.batch]
+    metrics = policy.train_step(no_old, GRPOPolicyLoss(GRPOLossConfig()), return_logprobs=True)
+    assert metrics.logprobs is not None
+    assert max_diff(metrics.logprobs, trained.old_logprobs) <= LOGPROB_TOLERANCE
+    assert metrics.loss == pytest.approx(trained.metrics.loss, abs=1e-6)
+    assert metrics.grad_norm == pytest.approx(trained.metrics.grad_norm, rel=1e-5)
+    assert max_diff(policy.logprobs(trained.batch), trained.new_logprobs) <= LOGPROB_TOLERANCE
+
+
+def test_with_several_minibatches_the_clip_acts_and_clipped_tokens_get_no_gradient(
+    megatron_runtime: None, tiny_qwen25vl: Path, samples: list[PolicySample]
+) -> None:
+    """PPO mini-batches: after the first mini-batch's update the second mini-batch is off-policy,
+    its ratios leave the trust region and the clip takes the gradient of exactly those tokens."""
+    from rl_bridge.grpo import grpo_loss
+
+    config = GRPOLossConfig(eps_low=0.02, eps_high=0.02)
+    policy = MegatronPolicy(tiny_qwen25vl, policy_config(learning_rate=2e-2))
+    old = policy.logprobs(samples)
+    batch = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old, strict=True)]
+    first = policy.train_step(batch[:2], GRPOPolicyLoss(config))
+    assert first.loss_metrics["clip/frac"] == 0.0  # on-policy: every ratio is 1
+    current = policy.logprobs(batch[2:])
+    second = policy.train_step(batch[2:], GRPOPolicyLoss(config))
+    assert second.loss_metrics["clip/frac"] > 0.0, second.loss_metrics
+
+    # The same loss on the same logprobs, as leaves: zero gradient exactly on the clipped tokens.
+    micro = collate(batch[2:], pad_token_id=policy.pad_token_id, media_tokens=policy.media_tokens)
+    width = micro.input_ids.shape[1]
+    logprobs = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in current])
+    logprobs.requires_grad_()
+    loss, metrics = grpo_loss(logprobs, micro.advantages, micro.target_mask, config, old_logprobs=micro.old_logprobs)
+    loss.backward()
+    ratio = (logprobs.detach() - micro.old_logprobs).exp()
+    adv = micro.advantages.unsqueeze(-1)
+    clipped = micro.target_mask & (((ratio > 1 + config.eps_high) & (adv > 0)) | ((ratio < 1 - config.eps_low) & (adv < 0)))
+    assert clipped.any() and metrics["clip/frac"].item() == pytest.approx(second.loss_metrics["clip/frac"], abs=1e-6)
+    assert torch.all(logprobs.grad[clipped] == 0)
+    assert torch.all(logprobs.grad[micro.target_mask & ~clipped] != 0)
+
+
 def test_exported_weights_have_hf_names_and_the_saved_directory_loads_in_transformers(
     trained: Trained, tiny_qwen25vl: Path, samples: list[PolicySample], tmp_path: Path
 ) -> None:
@@ -304,15 +371,30 @@ values = token_logprobs(shard, targets, vocab_size=vocab, temperature=temperatur
 full = logits.clone().requires_grad_()
 reference = torch.log_softmax(full[:, :vocab] / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
 (reference * upstream).sum().backward()
-print(json.dumps({"value": (values - reference).abs().max().item(),
-                  "grad": (shard.grad - full.grad[:, local]).abs().max().item(),
-                  "padding_grad": shard.grad[:, vocab - local.start:].abs().max().item() if rank else 0.0}))
+result = {"value": (values - reference).abs().max().item(),
+          "grad": (shard.grad - full.grad[:, local]).abs().max().item(),
+          "padding_grad": shard.grad[:, vocab - local.start:].abs().max().item() if rank else 0.0}
+# Restricted to a support across both shards, and to one that rank 1's shard does not hold.
+for name, support in (("support", torch.tensor([1, 4, 7, 9])), ("support_one_shard", torch.tensor([0, 2]))):
+    picked = support[torch.randint(0, len(support), (rows,), generator=generator)]
+    shard = logits[:, local].clone().requires_grad_()
+    values = token_logprobs(shard, picked, vocab_size=vocab, temperature=temperature,
+                            tp_group=dist.group.WORLD, support=support, max_chunk_elements=12)
+    (values * upstream).sum().backward()
+    full = logits.clone().requires_grad_()
+    masked = torch.full_like(full, float("-inf"))
+    masked[:, support] = full[:, support]
+    reference = torch.log_softmax(masked / temperature, dim=-1).gather(-1, picked[:, None])[:, 0]
+    (reference * upstream).sum().backward()
+    result[name] = max((values - reference).abs().max().item(), (shard.grad - full.grad[:, local]).abs().max().item())
+print(json.dumps(result))
 dist.destroy_process_group()
 """
 
 
 def test_vocab_parallel_logprobs_equal_the_full_log_softmax() -> None:
-    """Tensor-parallel path of token_logprobs (all-reduces, shard offsets, padding, chunks, temperature)."""
+    """Tensor-parallel path of token_logprobs (all-reduces, shard offsets, padding, chunks, temperature,
+    a support over both shards and one held by one shard only)."""
     port = str(free_port())
     workers = [
         subprocess.Popen(
@@ -331,6 +413,7 @@ def test_vocab_parallel_logprobs_equal_the_full_log_softmax() -> None:
             rank,
             result,
         )
+        assert result["support"] <= 1e-6 and result["support_one_shard"] <= 1e-6, (rank, result)
 
 
 def test_collate_pads_right_concatenates_media_and_checks_placeholders() -> None:

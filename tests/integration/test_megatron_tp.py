@@ -1,10 +1,14 @@
-"""MegatronPolicy with tensor parallelism 2 on CPU: two gloo ranks under torchrun against TP = 1.
+"""MegatronPolicy with tensor parallelism 2, and with data parallelism 2, on CPU: two gloo ranks
+under torchrun against one process.
 
 One launch of ``python -m torch.distributed.run --nproc-per-node 2 -m rl_bridge.megatron.tp_check``
 on the tiny Qwen2.5-VL (two key-value heads, so attention splits over two ranks) runs, on the same
 video batch in fp32: logprobs, a GRPO step, logprobs again, ``save_hf_checkpoint`` and a per-rank
 checkpoint save / step / load / repeated step at TP = 2; then the same logprobs, step and export at
-TP = 1 on rank 0. The tests read its JSON report and the files it wrote.
+TP = 1 on rank 0. The tests read its JSON report and the files it wrote. A second launch with
+``--tensor-parallel 1`` runs data parallelism 2: each rank trains on its half of the batch in two
+micro-batches, with a sequence-mean loss and one sample masked, against one process training on
+the whole batch in one micro-batch.
 """
 
 from __future__ import annotations
@@ -30,12 +34,7 @@ class TPRun:
     workdir: Path
 
 
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
-    from rl_bridge.tiny_models import build_tiny_model
-
-    model = build_tiny_model("qwen2_5_vl", text_num_kv_heads=2)
-    root = tmp_path_factory.mktemp("megatron-tp")
+def _launch_check(root: Path, model: Path, *extra: str) -> TPRun:
     report_path, workdir = root / "report.json", root / "work"
     command = [
         sys.executable,
@@ -54,6 +53,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
         str(workdir),
         "--output",
         str(report_path),
+        *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -61,6 +61,51 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
     report = json.loads(report_path.read_text())
     assert done.returncode == 0, f"tp_check failed: {report['failures']}\n{done.stdout[-2000:]}"
     return TPRun(report=report, workdir=workdir)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_model() -> Path:
+    from rl_bridge.tiny_models import build_tiny_model
+
+    return build_tiny_model("qwen2_5_vl", text_num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> TPRun:
+    return _launch_check(tmp_path_factory.mktemp("megatron-tp"), tiny_tp_model)
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> TPRun:
+    return _launch_check(
+        tmp_path_factory.mktemp("megatron-dp"),
+        tiny_tp_model,
+        "--tensor-parallel",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--reference-micro-batch-size",
+        "4",
+        "--loss-agg-mode",
+        "seq-mean-token-mean",
+        "--masked-sample",
+        "1",
+    )
+
+
+def test_dp2_with_split_micro_batches_and_a_masked_sample_takes_the_single_process_step(dp_run: TPRun) -> None:
+    """DP = 2 x two micro-batches of one against DP = 1 x one micro-batch of four: same loss, same
+    gradient norm, same updated policy (fp32; the summation order differs, within 1e-5)."""
+    report = dp_run.report
+    assert (report["world_size"], report["tensor_parallel"], report["data_parallel"]) == (2, 1, 2)
+    assert (report["micro_batch_size"], report["reference_micro_batch_size"]) == (1, 4)
+    assert report["loss_agg_mode"] == "seq-mean-token-mean" and report["masked_sample"] == 1
+    loss, grad_norm = report["loss"], report["grad_norm"]
+    assert loss["parallel"] == pytest.approx(loss["reference"], abs=1e-6) and loss["reference"] != 0.0
+    assert grad_norm["parallel"] == pytest.approx(grad_norm["reference"], rel=1e-5)
+    assert report["updated_logprobs_max_abs_diff"] <= LOGPROB_TOLERANCE
+    assert report["updated_logprobs_max_change"] > 1e4 * LOGPROB_TOLERANCE
+    assert report["weights_max_abs_diff"] <= LOGPROB_TOLERANCE, report["weights_max_abs_diff_name"]
 
 
 def test_tp2_runs_on_two_gloo_ranks_and_its_logprobs_equal_tp1(tp_run: TPRun) -> None:

@@ -1,4 +1,5 @@
-"""Three steps of the real sync GRPO loop on a multi-turn environment that returns video in later turns.
+"""The multi-turn recipe from the command its header gives, shortened: the real sync GRPO loop on an
+environment that returns video in later turns.
 
 ``video_segments`` through ``video_tools_agent``: the prompt shows no video; after each model turn
 the environment returns the next segment's clip, so every trajectory holds two clips, each in a
@@ -11,11 +12,12 @@ weights and that its logprobs match the trainer's on all turns.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from rl_bridge.loop.config import load_recipe
-from rl_bridge.loop.sync import run_sync
 from rl_bridge.paths import project_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,23 +28,34 @@ ROWS = PROMPTS * GROUP
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
-    run_dir = tmp_path_factory.mktemp("multiturn") / "run"
-    recipe = load_recipe(
-        project_root() / "recipes" / "tiny_cpu_multiturn.yaml",
-        [
-            f"run_dir={run_dir}",
-            f"train.steps={STEPS}",
-            f"rollout.prompts_per_step={PROMPTS}",
-            f"rollout.group_size={GROUP}",
-            f"task.num_segments={SEGMENTS}",
-            "task.train_rows=8",
-            "task.val_rows=4",
-            "validation.every=0",
-            "train.checkpoint_at_end=false",
-        ],
-    )
-    assert recipe.task.environment == "segments"
-    summary = run_sync(recipe)
+    root = tmp_path_factory.mktemp("multiturn")
+    run_dir = root / "run"
+    # The header's command (video-grpo train -r recipes/tiny_cpu_multiturn.yaml train.steps=3) with a
+    # smaller batch and data.
+    command = [
+        sys.executable,
+        "-m",
+        "rl_bridge.cli",
+        "train",
+        "-r",
+        str(project_root() / "recipes" / "tiny_cpu_multiturn.yaml"),
+        f"run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        f"task.num_segments={SEGMENTS}",
+        "task.train_rows=8",
+        "task.val_rows=4",
+        "validation.every=0",
+        "train.checkpoint_at_end=false",
+    ]
+    with (root / "train.log").open("wb") as log:
+        done = subprocess.run(
+            command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT, timeout=1800
+        )
+    assert done.returncode == 0, (root / "train.log").read_text(errors="replace")[-5000:]
+    assert json.loads((run_dir / "recipe.json").read_text())["task"]["environment"] == "segments"
+    summary = json.loads((run_dir / "summary.json").read_text())
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, [r for r in history if "rollout/rows" in r]
 
@@ -65,7 +78,7 @@ def test_every_row_is_accounted_for(run: tuple[dict, list[dict]]) -> None:
     for record in steps:
         masked = sum(v for k, v in record.items() if k.startswith("masked/"))
         assert record["rollout/rows"] == ROWS
-        outcomes = ("rollout/ok", "rollout/content_failed", "rollout/infra_failed")
+        outcomes = ("rollout/ok", "rollout/policy_fault", "rollout/content_failed", "rollout/infra_failed")
         assert sum(record[key] for key in outcomes) == ROWS
         assert record["preprocess/trained"] + masked == ROWS
         assert 0.0 <= record["rollout/reward_mean"] <= 1.0

@@ -20,6 +20,8 @@ from rl_bridge.grpo import (
     group_advantages,
     grpo_loss,
     kl_estimate,
+    loss_denominator,
+    mismatch_exceeds,
     needs_reference,
     selective_log_softmax,
     train_inference_mismatch,
@@ -164,38 +166,107 @@ def test_clipped_loss_and_clip_fractions_by_hand() -> None:
     torch.testing.assert_close(logprobs.grad, expected)
 
 
-def test_sequence_mean_aggregation_by_hand() -> None:
-    config = CLIP.model_copy(update={"loss_agg_mode": "seq-mean-token-mean"})
-    loss, _ = grpo_loss(_current(), ADV, MASK, config, old_logprobs=OLD)
-    # sequence means -2.3 / 2 and 3.9 / 3, then their mean
-    assert loss.item() == pytest.approx((-1.15 + 1.3) / 2)
+# Per-token losses of the fixture batch: sequence 0 (2 valid tokens) -1 and -1.3, sum -2.3;
+# sequence 1 (3 valid tokens) 0.8, 1.1 and 2.0, sum 3.9.
+AGGREGATIONS = [
+    # DAPO (Yu et al. 2025, "DAPO", eq. 8; verl agg_loss "token-mean"; TRL loss_type="dapo"):
+    # sum over every token of the batch / number of tokens.
+    ("token-mean", {}, 1.6 / 5),
+    # GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3; verl "seq-mean-token-mean"; TRL "grpo"):
+    # per-sequence token mean, then the mean over sequences.
+    ("seq-mean-token-mean", {}, (-2.3 / 2 + 3.9 / 3) / 2),
+    # verl "seq-mean-token-sum": per-sequence token sum, then the mean over sequences.
+    ("seq-mean-token-sum", {}, (-2.3 + 3.9) / 2),
+    # Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3 and its code's
+    # constant normaliser; verl "seq-mean-token-sum-norm"; TRL "dr_grpo"): token sums over
+    # G * L with the constant L (here 4).
+    ("seq-mean-token-sum-norm", {"loss_norm_tokens": 4}, (-2.3 + 3.9) / (2 * 4)),
+]
+
+
+@pytest.mark.parametrize(("mode", "extra", "expected"), AGGREGATIONS)
+def test_each_aggregation_by_hand(mode: str, extra: dict, expected: float) -> None:
+    config = CLIP.model_copy(update={"loss_agg_mode": mode, **extra})
+    logprobs = _current()
+    loss, _ = grpo_loss(logprobs, ADV, MASK, config, old_logprobs=OLD)
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    # d loss / d logprob = -A * ratio * (the token's weight in the aggregation) where unclipped
+    per_token = {
+        "token-mean": torch.full((2, 3), 1 / 5),
+        "seq-mean-token-mean": torch.tensor([[1 / (2 * 2)] * 3, [1 / (3 * 2)] * 3]),
+        "seq-mean-token-sum": torch.full((2, 3), 1 / 2),
+        "seq-mean-token-sum-norm": torch.full((2, 3), 1 / 8),
+    }[mode]
+    unclipped = torch.tensor([[-1.0, 0.0, 0.0], [0.0, 1.1, 2.0]])  # -A * ratio; 0 where clipped/masked
+    torch.testing.assert_close(logprobs.grad, unclipped * per_token)
+    # the denominator the policy sums over micro-batches
+    denominators = {
+        "token-mean": 5.0,
+        "seq-mean-token-mean": 2.0,
+        "seq-mean-token-sum": 2.0,
+        "seq-mean-token-sum-norm": 8.0,
+    }
+    assert loss_denominator(MASK, None, config).item() == denominators[mode]
+
+
+def test_dr_grpo_needs_its_constant_normaliser() -> None:
+    with pytest.raises(ValidationError, match="loss_norm_tokens"):
+        GRPOLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
 
 
 def test_zero_weight_sample_is_the_same_as_dropping_it() -> None:
-    weighted, _ = grpo_loss(
-        _current(), ADV, MASK, CLIP, old_logprobs=OLD, sample_weights=torch.tensor([1.0, 0.0])
-    )
+    weights = torch.tensor([1.0, 0.0])
+    weighted, _ = grpo_loss(_current(), ADV, MASK, CLIP, old_logprobs=OLD, sample_weights=weights)
     dropped, _ = grpo_loss(_current()[:1], ADV[:1], MASK[:1], CLIP, old_logprobs=OLD[:1])
     assert weighted.item() == pytest.approx(dropped.item()) == pytest.approx(-2.3 / 2)
+    # and with the step's denominator computed as the policy computes it (summed per micro-batch)
+    total = sum(loss_denominator(MASK[j : j + 1], weights[j : j + 1], CLIP) for j in range(2))
+    parts = [
+        grpo_loss(
+            _current()[i : i + 1],
+            ADV[i : i + 1],
+            MASK[i : i + 1],
+            CLIP,
+            old_logprobs=OLD[i : i + 1],
+            sample_weights=weights[i : i + 1],
+            normalizer=total,
+        )[0]
+        for i in range(2)
+    ]
+    assert sum(p.item() for p in parts) == pytest.approx(-2.3 / 2)
 
 
-def test_global_normalizer_makes_micro_batches_sum_to_the_batch_loss() -> None:
-    for mode in ("token-mean", "seq-mean-token-mean"):
-        config = CLIP.model_copy(update={"loss_agg_mode": mode})
-        full, _ = grpo_loss(_current(), ADV, MASK, config, old_logprobs=OLD)
-        normalizer = MASK.sum() if mode == "token-mean" else MASK.shape[0]
-        parts = [
-            grpo_loss(
-                _current()[i : i + 1],
-                ADV[i : i + 1],
-                MASK[i : i + 1],
-                config,
-                old_logprobs=OLD[i : i + 1],
-                normalizer=normalizer,
-            )[0]
-            for i in range(2)
-        ]
-        assert sum(p.item() for p in parts) == pytest.approx(full.item())
+@pytest.mark.parametrize(("mode", "extra", "expected"), AGGREGATIONS)
+def test_loss_and_gradient_do_not_depend_on_the_micro_batch_split(
+    mode: str, extra: dict, expected: float
+) -> None:
+    """One micro-batch of four sequences and four of one give the same loss and gradient."""
+    config = GRPOLossConfig(loss_agg_mode=mode, kl_coef=0.05, **extra)  # type: ignore[arg-type]
+    base, old, behaviour, ref, mask, adv = _random_batch(7, batch=4, length=6)
+    weights = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    kwargs = {"old_logprobs": old, "behaviour_logprobs": behaviour, "ref_logprobs": ref}
+    whole = base.clone().requires_grad_()
+    loss, _ = grpo_loss(whole, adv, mask, config, sample_weights=weights, **kwargs)
+    loss.backward()
+    split = base.clone().requires_grad_()
+    total = sum(loss_denominator(mask[i : i + 1], weights[i : i + 1], config) for i in range(4))
+    parts = [
+        grpo_loss(
+            split[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            config,
+            sample_weights=weights[i : i + 1],
+            normalizer=total,
+            **{k: v[i : i + 1] for k, v in kwargs.items()},
+        )[0]
+        for i in range(4)
+    ]
+    split_loss = sum(parts)
+    split_loss.backward()
+    assert split_loss.item() == pytest.approx(loss.item(), rel=1e-12)
+    torch.testing.assert_close(split.grad, whole.grad, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize(
@@ -217,6 +288,20 @@ def test_kl_term_enters_the_loss_with_its_coefficient() -> None:
     assert metrics["loss/kl"].item() == pytest.approx(mean_k3)
     assert metrics["loss/pg"].item() == pytest.approx(1.6 / 5)
     assert loss.item() == pytest.approx(1.6 / 5 + 0.1 * mean_k3)
+
+
+def test_kl_term_is_not_importance_weighted() -> None:
+    ref = OLD - math.log(2)
+    config = CLIP.model_copy(update={"kl_coef": 0.1, "tis_cap": None})
+    behaviour = OLD - math.log(3)  # IS weight 3 on every token
+    loss, metrics = grpo_loss(
+        _current(), ADV, MASK, config, old_logprobs=OLD, behaviour_logprobs=behaviour, ref_logprobs=ref
+    )
+    assert metrics["is/weight_mean"].item() == pytest.approx(3.0)
+    log_r = (ref - (OLD + RATIOS.log()))[MASK]
+    mean_k3 = (log_r.exp() - 1 - log_r).mean().item()
+    # the policy-gradient term is weighted by 3, the KL term is not
+    assert loss.item() == pytest.approx(3 * 1.6 / 5 + 0.1 * mean_k3)
 
 
 def test_reference_is_needed_only_with_a_kl_weight() -> None:
@@ -254,15 +339,40 @@ def test_truncated_importance_weights_by_hand() -> None:
         behaviour_logprobs=behaviour,
     )
     assert untruncated.item() == pytest.approx(-(3.0 + 0.5) / 2)
-    # without old_logprobs, vLLM's logprobs are the proximal policy and no IS weight is applied
-    _, bypass = grpo_loss(
-        old.clone(),
+    # without old_logprobs (one optimizer step per rollout batch) the current logprobs, detached,
+    # are pi_old: the ratio is exactly 1 and the IS weight is the same pi_old / mu
+    current = old.clone().requires_grad_()
+    one_step, one_step_metrics = grpo_loss(
+        current,
         torch.tensor([1.0]),
         torch.ones(1, 2, dtype=torch.bool),
         config,
         behaviour_logprobs=behaviour,
     )
-    assert "is/weight_mean" not in bypass
+    assert one_step.item() == pytest.approx(loss.item())
+    assert one_step_metrics["ratio/mean"].item() == 1.0
+    one_step.backward()
+    torch.testing.assert_close(current.grad, -torch.tensor([[2.0, 0.5]]) / 2)
+    # proximal_policy="behaviour": vLLM's logprobs are the proximal policy, no IS weight
+    bypass_config = GRPOLossConfig(tis_cap=2.0, proximal_policy="behaviour")
+    bypass, bypass_metrics = grpo_loss(
+        old.clone(),
+        torch.tensor([1.0]),
+        torch.ones(1, 2, dtype=torch.bool),
+        bypass_config,
+        behaviour_logprobs=behaviour,
+    )
+    assert "is/weight_mean" not in bypass_metrics
+    # ratios pi / mu = 3 (clipped to 1.28 for A > 0) and 0.5: -(1.28 + 0.5) / 2
+    assert bypass.item() == pytest.approx(-(1.28 + 0.5) / 2)
+    with pytest.raises(ValueError, match="behaviour_logprobs are required"):
+        grpo_loss(
+            old.clone(),
+            torch.tensor([1.0]),
+            torch.ones(1, 2, dtype=torch.bool),
+            bypass_config,
+            old_logprobs=old,
+        )
 
 
 def test_mismatch_metrics_by_hand() -> None:
@@ -277,20 +387,30 @@ def test_mismatch_metrics_by_hand() -> None:
     assert stats.max_abs_logprob_diff.item() == pytest.approx(0.5)
 
 
-def test_sequence_mismatch_threshold_masks_and_counts() -> None:
+def test_sequence_mismatch_threshold_selects_the_sequences_to_mask() -> None:
     behaviour = OLD.clone()
     behaviour[1, 0] -= 1.0  # sequence 1 has error e^1
-    for threshold, masked in ((2.0, 1), (3.0, 0)):
-        config = CLIP.model_copy(
-            update={"seq_mismatch_threshold": threshold, "use_importance_sampling": False}
-        )
-        loss, metrics = grpo_loss(
-            _current(), ADV, MASK, config, old_logprobs=OLD, behaviour_logprobs=behaviour
-        )
-        assert metrics["mismatch/masked_seqs"].item() == masked
-        assert metrics["mismatch/seq_mult_prob_error_max"].item() == pytest.approx(math.e)
-        assert metrics["mismatch/seq_mult_prob_error"].item() == pytest.approx((1 + math.e) / 2)
-        assert loss.item() == pytest.approx(-2.3 / 2 if masked else 1.6 / 5)
+    assert mismatch_exceeds(OLD, behaviour, MASK, 2.0).tolist() == [False, True]
+    assert mismatch_exceeds(OLD, behaviour, MASK, 3.0).tolist() == [False, False]
+    assert mismatch_exceeds(OLD, behaviour, MASK, None).tolist() == [False, False]
+    # masking is a weight: the masked sequence leaves numerator and denominator alike (-2.3 / 2,
+    # not -2.3 / 5 as when the denominator was counted before the mask was applied)
+    weights = (~mismatch_exceeds(OLD, behaviour, MASK, 2.0)).float()
+    loss, metrics = grpo_loss(
+        _current(),
+        ADV,
+        MASK,
+        CLIP,
+        old_logprobs=OLD,
+        behaviour_logprobs=behaviour,
+        sample_weights=weights,
+        normalizer=loss_denominator(MASK, weights, CLIP),
+    )
+    assert loss.item() == pytest.approx(-2.3 / 2)  # sequence 0 has IS weight 1
+    assert metrics["mismatch/seq_mult_prob_error_max"].item() == pytest.approx(1.0)
+    _, unmasked = grpo_loss(_current(), ADV, MASK, CLIP, old_logprobs=OLD, behaviour_logprobs=behaviour)
+    assert unmasked["mismatch/seq_mult_prob_error_max"].item() == pytest.approx(math.e)
+    assert unmasked["mismatch/seq_mult_prob_error"].item() == pytest.approx((1 + math.e) / 2)
 
 
 def test_metrics_are_detached_and_work_under_no_grad() -> None:
@@ -310,8 +430,6 @@ def test_metrics_are_detached_and_work_under_no_grad() -> None:
 
 
 def test_bad_loss_inputs_raise() -> None:
-    with pytest.raises(ValueError, match="needs old_logprobs or behaviour_logprobs"):
-        grpo_loss(_current(), ADV, MASK, CLIP)
     with pytest.raises(ValueError, match=r"advantages must have shape \(2,\)"):
         grpo_loss(_current(), ADV.unsqueeze(-1), MASK, CLIP, old_logprobs=OLD)
     with pytest.raises(ValueError, match="token_mask must have shape"):
@@ -331,11 +449,14 @@ def test_config_is_frozen_validated_and_rejects_unknown_fields() -> None:
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**31), mode=st.sampled_from(["token-mean", "seq-mean-token-mean"]))
+@given(
+    seed=st.integers(0, 2**31),
+    mode=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]),
+)
 def test_zero_advantage_gives_zero_gradient(seed: int, mode: str) -> None:
     base, old, behaviour, _, mask, _ = _random_batch(seed, batch=3, length=5)
     logprobs = base.clone().requires_grad_()
-    config = GRPOLossConfig(loss_agg_mode=mode)  # type: ignore[arg-type]
+    config = GRPOLossConfig(loss_agg_mode=mode, loss_norm_tokens=5)  # type: ignore[arg-type]
     loss, _ = grpo_loss(
         logprobs,
         torch.zeros(3, dtype=torch.float64),

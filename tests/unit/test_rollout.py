@@ -53,6 +53,8 @@ def agent() -> Iterator[tuple[str, _Agent]]:
             plan = row["plan"]
             status = plan[min(attempt, len(plan) - 1)]
             body = json.dumps({**row, "reward": 1.0} if status == 200 else {"error": "x"}).encode()
+            if status == 298:  # an episode the policy made fail, scored by the agent
+                status, body = 200, json.dumps({**row, "reward": 0.0, "policy_fault": "context_overflow"}).encode()
             if status == 299:  # a 200 without a reward
                 status, body = 200, b'{"response": {}}'
             if status == 599:  # Gym's agent quoting an inner server's client error
@@ -88,6 +90,7 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
         "refused": [400],
         "no_reward": [299],
         "inner_refused": [599],
+        "policy_fault": [298],
     }
     rows = [{"id": f"{name}-{i}", "plan": plan} for i in range(3) for name, plan in plans.items()]
     done = []
@@ -103,15 +106,23 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
         assert outcome[f"refused-{i}"] == outcome[f"no_reward-{i}"] == outcome[f"inner_refused-{i}"] == "content_failed"
         assert state.attempts[f"flaky-{i}"] == 3 and state.attempts[f"down-{i}"] == 3
         assert state.attempts[f"refused-{i}"] == state.attempts[f"inner_refused-{i}"] == 1  # not re-dispatched
+        # scored, not masked: it keeps its result and its (failure) reward
+        assert outcome[f"policy_fault-{i}"] == "policy_fault" and state.attempts[f"policy_fault-{i}"] == 1
     metrics = stats.as_dict()
     assert metrics["rollout/rows"] == len(rows) == (
-        metrics["rollout/ok"] + metrics["rollout/content_failed"] + metrics["rollout/infra_failed"]
+        metrics["rollout/ok"]
+        + metrics["rollout/policy_fault"]
+        + metrics["rollout/content_failed"]
+        + metrics["rollout/infra_failed"]
     )
+    assert metrics["rollout/policy_fault"] == 3
+    faults = [r for r in results if r.outcome == "policy_fault"]
+    assert [(r.reward, r.policy_fault) for r in faults] == [(0.0, "context_overflow")] * 3
     assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (6, 9, 3)
     assert metrics["rollout/retries"] == 3 * 2 + 3 * 2
     assert metrics["rollout/redispatches"] == metrics["rollout/server_restarts"] == 0
     assert [r.reward for r in results if r.outcome == "ok"] == [1.0] * 6
-    assert all(r.error for r in results if r.outcome != "ok")
+    assert all(r.error for r in results if r.outcome not in ("ok", "policy_fault"))
     assert 1 < state.max_in_flight <= 4
 
 

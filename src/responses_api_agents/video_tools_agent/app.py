@@ -16,6 +16,12 @@ with two differences:
   clips this way whether or not the model calls tools, also after a turn cut at
   ``max_output_tokens``.
 
+A model call after the first that the model server refuses because the trajectory outgrew the
+model's context (vLLM's 400 "maximum context length") is a failure the policy caused: the episode
+ends there, ``/verify`` is not called, and ``/run`` answers the trajectory so far with
+``reward: policy_fault_reward`` and ``policy_fault: "context_overflow"``, so a trainer scores it
+instead of dropping it. (The first call's overflow is the prompt's: a bad row, answered as below.)
+
 An inner server's refusal of the row itself (HTTP 4xx other than 408 and 429: e.g. the model
 server or vLLM refusing a video that does not decode) is answered with that status and body,
 where Gym's agents answer 500: callers can tell a bad row, which retrying cannot fix, from a
@@ -29,6 +35,7 @@ vLLM's token ids, tool calls, tool outputs and the user messages carrying the cl
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import ClientResponseError
@@ -52,6 +59,8 @@ class VideoToolsAgentConfig(BaseResponsesAPIAgentConfig):
     observation_route: str | None = None
     """Resources-server route (e.g. ``/next_segment``) asked for the next observation after a model
     turn without tool calls. ``None``: such a turn ends the trajectory."""
+    policy_fault_reward: float = 0.0
+    """Reward of a trajectory that ended in a policy fault (its context outgrew the model's)."""
 
 
 class VideoToolsAgentRunRequest(BaseRunRequest):
@@ -88,7 +97,7 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         response: Response,
         body: NeMoGymResponseCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
     ) -> NeMoGymResponse:
-        result, model_cookies = await self._episode(
+        result, model_cookies, _ = await self._episode(
             body.model_dump(mode="json", exclude_unset=True),
             model_cookies=request.cookies,
             resources_cookies=request.cookies,
@@ -107,11 +116,20 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         )
         await raise_for_status(seeded)
         resources_cookies = _cookies(seeded)
-        result, _ = await self._episode(
+        result, _, policy_fault = await self._episode(
             body.responses_create_params.model_dump(mode="json", exclude_unset=True),
             model_cookies=request.cookies,
             resources_cookies=resources_cookies,
         )
+        if policy_fault is not None:
+            return VideoToolsAgentVerifyResponse.model_validate(
+                {
+                    **row,
+                    "response": result,
+                    "reward": self.config.policy_fault_reward,
+                    "policy_fault": policy_fault,
+                }
+            )
         verified = await self.server_client.post(
             server_name=self.config.resources_server.name,
             url_path="/verify",
@@ -123,13 +141,15 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
 
     async def _episode(
         self, params: dict[str, Any], *, model_cookies: Any, resources_cookies: dict[str, str]
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        """Run the loop for the request ``params``; the last model response with the whole trajectory."""
+    ) -> tuple[dict[str, Any], dict[str, str], str | None]:
+        """Run the loop for the request ``params``: the last model response with the whole
+        trajectory, the model server's cookies, and the policy fault that ended it (or ``None``)."""
         prompt = params["input"]
         prompt_items = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         trajectory: list[dict[str, Any]] = []
         usage: dict[str, int] = {}
         last: dict[str, Any] | None = None
+        policy_fault: str | None = None
         for _ in range(self.config.max_steps):
             request_body = {**params, "input": prompt_items + trajectory}
             answer = await self.server_client.post(
@@ -138,6 +158,12 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
                 json=request_body,
                 cookies=model_cookies,
             )
+            if last is not None and answer.status == 400:
+                content = await answer.content.read()
+                if _CONTEXT_OVERFLOW.search(content.decode(errors="replace")):
+                    policy_fault = "context_overflow"
+                    break
+                await raise_for_status(answer, content)
             await raise_for_status(answer)
             model_cookies = _cookies(answer)
             last = await get_response_json(answer)
@@ -155,7 +181,7 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         assert last is not None  # max_steps >= 1
         # The last response's usage shape, with the token counts of all turns.
         total_usage = {**last["usage"], **usage} if last.get("usage") else None
-        return {**last, "output": trajectory, "usage": total_usage}, model_cookies
+        return {**last, "output": trajectory, "usage": total_usage}, model_cookies, policy_fault
 
     async def _observation(self, cookies: dict[str, str]) -> list[dict[str, Any]]:
         """The next observation's content parts from ``observation_route`` (none when it is unset)."""
@@ -200,6 +226,10 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
             return _tool_output(call, payload["output"])
         return _tool_output(call, text)
 
+
+# vLLM's refusals of a prompt longer than the model's context (chat completions and the
+# multimodal input processor word it differently).
+_CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
 # Request Timeout and Too Many Requests: the server, not the row, failed.
 _RETRYABLE_4XX = frozenset({408, 429})

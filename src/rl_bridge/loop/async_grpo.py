@@ -44,15 +44,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import RunMetrics, step_totals, write_curves
+from rl_bridge.loop.metrics import RunMetrics, write_curves
+from rl_bridge.loop.report import RunReport
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
 from rl_bridge.loop.roles import start_roles
 from rl_bridge.loop.tasks import prepare_task
-from rl_bridge.rollout import RolloutResult
+from rl_bridge.rollout import ROLLOUT_OUTCOMES, RolloutResult
 
 __all__ = ["Collector", "latest_checkpoint", "run_async"]
 
@@ -168,7 +167,6 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         run_dir.mkdir(parents=True)
     (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2, by_alias=True))
     settings = recipe.async_
-    chance = 1.0 / recipe.task.num_options
     started = time.monotonic()
     with ExitStack() as stack:
         setup: dict[str, float] = {}
@@ -196,20 +194,12 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
             weight_version=lambda: version,
         )
         stack.callback(collector.stop)
-        val_every = recipe.validation.every
-        history_val = [(int(r["step"]), r["val/accuracy"]) for r in metrics.history if "val/accuracy" in r]
-
-        def validate(step: int) -> float:
-            timings: dict[str, float] = {}
-            with timed("validation", timings):
-                scalars = controller.validate()
-            metrics.log(step, {**scalars, **timings})
-            history_val.append((step, scalars["val/accuracy"]))
-            return scalars["val/accuracy"]
-
-        accuracy = validate(0) if val_every and checkpoint is None else float("nan")
+        report = RunReport(
+            recipe, controller, metrics, desc="async grpo", started=started, initial_step=version
+        )
+        if checkpoint is None:
+            report.start()
         collector.start()
-        bar = tqdm(total=recipe.train.steps, initial=version, desc="async grpo", unit="step")
         step = version
         while step < recipe.train.steps:
             timings: dict[str, float] = {}
@@ -221,9 +211,9 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
             step += 1
             results = [result for group in groups for result in group.results]
             with timed("preprocess", timings):
-                samples, preprocess_metrics = controller.preprocess(results)
+                batch, preprocess_metrics = controller.preprocess(results)
             with timed("logprobs", timings):
-                samples = controller.logprobs(samples) if samples else []
+                samples = controller.logprobs(batch.samples)
             with timed("train", timings):
                 train_metrics = controller.train(samples)
             with timed("refit", timings):
@@ -239,7 +229,8 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
                 "async/evicted_total": float(buffer.evicted),
                 "async/buffered": float(len(buffer)),
             }
-            metrics.log(
+            groups_log.write(step, groups, trained_at)
+            stop = report.step_done(
                 step,
                 {
                     **_rollout_metrics(results),
@@ -250,44 +241,26 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
                     **timings,
                 },
             )
-            groups_log.write(step, groups, trained_at)
-            if val_every and step % val_every == 0:
-                accuracy = validate(step)
             if settings.checkpoint_every and step % settings.checkpoint_every == 0:
                 _save_checkpoint(run_dir, step, controller, buffer)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.history[-1]['rollout/reward_mean']:.2f}", val=f"{accuracy:.2f}")
-            if recipe.validation.stop_at_target and accuracy >= recipe.validation.target_accuracy:
+            if stop:
                 break
-        bar.close()
         collector.stop()
         collector.raise_if_failed()
-        if val_every and step > 0 and (step % val_every != 0):
-            validate(step)
+        report.finish(step)
         final_checkpoint = _save_checkpoint(run_dir, step, controller, buffer)
         served_version = controller.refit_client.weight_version()
-        write_curves(metrics.history, run_dir / "curves.png", chance=chance)
+        write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
 
-    reached = next((s for s, acc in history_val if acc >= recipe.validation.target_accuracy), None)
-    summary = {
-        "mode": "async",
-        "steps": step,
-        "data_exhausted": buffer.exhausted(),
-        "resumed_from": str(checkpoint) if checkpoint is not None else None,
-        "served_weight_version": served_version,
-        "checkpoint": str(final_checkpoint),
-        "evicted_groups": buffer.evicted,
-        "chance_accuracy": chance,
-        "validation_accuracy": [{"step": s, "accuracy": a} for s, a in history_val],
-        "first_step_at_target": reached,
-        "target_accuracy": recipe.validation.target_accuracy,
-        **step_totals(metrics.history),
-        "setup_s": setup["time/setup_s"],
-        "wall_s": time.monotonic() - started,
-        "curves": str(run_dir / "curves.png"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return report.summary(
+        steps=step,
+        served_version=served_version,
+        setup_s=setup["time/setup_s"],
+        data_exhausted=buffer.exhausted(),
+        resumed_from=str(checkpoint) if checkpoint is not None else None,
+        checkpoint=str(final_checkpoint),
+        evicted_groups=buffer.evicted,
+    )
 
 
 def _rollout_metrics(results: Sequence[RolloutResult]) -> dict[str, float]:
@@ -297,7 +270,7 @@ def _rollout_metrics(results: Sequence[RolloutResult]) -> dict[str, float]:
     rewards = [r.reward for r in results if r.reward is not None]
     return {
         "rollout/rows": float(len(results)),
-        **{f"rollout/{name}": float(outcomes[name]) for name in ("ok", "content_failed", "infra_failed")},
+        **{f"rollout/{name}": float(outcomes[name]) for name in ROLLOUT_OUTCOMES},
         "rollout/retries": float(sum(r.attempts - 1 for r in results)),
         "rollout/redispatches": float(sum(r.redispatches for r in results)),
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),

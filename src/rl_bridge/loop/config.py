@@ -259,11 +259,21 @@ class RolloutSection(_Section):
     group_size: int = Field(8, ge=2)
     """Samples per prompt (G)."""
     temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature; keep 1.0 (vLLM reports raw logprobs, the trainer's are at 1.0)."""
+    """Sampling temperature. vLLM runs with ``--logprobs-mode processed_logprobs`` (logprobs of the
+    distribution it sampled from: after temperature and the option restriction) and the policy
+    divides its logits by the same temperature, so vLLM's and the trainer's logprobs, the IS
+    weights and the mismatch metrics describe the same distribution at any temperature."""
     max_output_tokens: PositiveInt = 1
     restrict_to_options: bool = True
     """Sample only the option-letter tokens (vLLM ``allowed_token_ids``, sent by the model server
-    on every request); vLLM's raw logprobs stay full-vocabulary ones."""
+    on every request). The policy that samples, and so the policy trained, is then the softmax
+    over those tokens: the trainer computes its logprobs over the same tokens
+    (``PolicyConfig.token_support``), as vLLM's processed logprobs are."""
+    policy_fault_reward: float = 0.0
+    """Reward of a rollout the policy itself made fail: a multi-turn context that outgrew
+    ``model.max_model_len`` (the trajectory so far is trained with this reward). Such rollouts stay
+    in their group, counted in ``rollout/policy_fault``; failures of the data or of the servers
+    are masked instead."""
     max_in_flight: PositiveInt = 16
     max_attempts: PositiveInt = 3
     timeout_s: PositiveFloat = 300.0
@@ -273,9 +283,27 @@ class TrainSection(_Section):
     """The Megatron policy update."""
 
     steps: PositiveInt = 10
+    """Rollout batches (GRPO steps); each gets ``epochs * minibatches`` optimizer steps."""
     learning_rate: PositiveFloat = 3e-4
     micro_batch_size: PositiveInt = 64
     weight_decay: float = Field(0.0, ge=0.0)
+    minibatches: PositiveInt = 1
+    """PPO mini-batches: each epoch over the rollout batch is split (in a fresh seeded order) into
+    this many optimizer steps. With more than one optimizer step per rollout batch the clip acts,
+    and ``pi_old`` is recomputed in a forward pass before the first update (unless
+    ``loss.proximal_policy='behaviour'``); with one, the training forward's own logprobs are
+    ``pi_old`` and that pass is skipped."""
+    epochs: PositiveInt = 1
+    """PPO epochs: passes over each rollout batch (not to be confused with ``async.epochs``, passes
+    over the training rows)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal (no learning
+    signal) are dropped and more prompts are rolled out until the step has
+    ``rollout.prompts_per_step`` groups with signal or ``dynamic_sampling_max_rounds`` rollout
+    rounds were made (then it trains on the groups it has). Counted in ``dynamic/*``. A departure
+    from GRPO, off by default; ``mode: sync`` only."""
+    dynamic_sampling_max_rounds: PositiveInt = 4
+    """Most rollout rounds of ``rollout.prompts_per_step`` prompts per step with ``dynamic_sampling``."""
     loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     checkpoint_at_end: bool = True
     """Write a training checkpoint (model, optimizer, step) and an HF export at the end."""
@@ -403,6 +431,11 @@ class Recipe(_Section):
             )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")
+        if self.train.dynamic_sampling and self.mode != "sync":
+            raise ValueError(
+                "train.dynamic_sampling refills a step with new rollouts: it needs mode='sync' "
+                f"(got mode={self.mode!r})"
+            )
         if self.async_.buffer_groups < self.rollout.prompts_per_step:
             raise ValueError(
                 f"async.buffer_groups={self.async_.buffer_groups} cannot hold one step's "
@@ -464,9 +497,20 @@ class Recipe(_Section):
                     "which is not installed: pip install transformer-engine[pytorch]"
                 )
 
-    def policy_config(self) -> PolicyConfig:
-        """The Megatron policy's settings for this recipe (logprobs at temperature 1.0, the
-        temperature vLLM's raw logprobs are reported at)."""
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether each step needs a separate forward pass for ``pi_old`` before training: with
+        several optimizer steps per rollout batch and the trainer as the proximal policy, or when
+        sequences are masked by their mismatch before the step."""
+        several = self.train.minibatches * self.train.epochs > 1
+        loss = self.train.loss
+        return (several and loss.proximal_policy == "trainer") or loss.seq_mismatch_threshold is not None
+
+    def policy_config(self, token_support: Sequence[int] | None = None) -> PolicyConfig:
+        """The Megatron policy's settings for this recipe: logprobs at the sampling temperature,
+        over ``token_support`` (the tokens sampling is restricted to, e.g. the option letters with
+        ``rollout.restrict_to_options``; ``None``: the whole vocabulary), as vLLM's processed
+        logprobs are."""
         import torch
 
         from rl_bridge.megatron.policy import PolicyConfig
@@ -477,7 +521,8 @@ class Recipe(_Section):
             learning_rate=self.train.learning_rate,
             weight_decay=self.train.weight_decay,
             micro_batch_size=self.train.micro_batch_size,
-            temperature=1.0,
+            temperature=self.rollout.temperature,
+            token_support=tuple(token_support) if token_support is not None else None,
         )
 
 

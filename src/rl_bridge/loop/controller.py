@@ -5,10 +5,13 @@ as a method: **rollout** G samples of each prompt through the agent's ``/run``
 (:func:`rl_bridge.rollout.collect_rollouts`); **preprocess** each answer into policy tensors
 (:class:`rl_bridge.policy_inputs.PolicyInputBuilder`: tokens, vLLM logprobs, media with the
 placeholder check; failures masked and counted) and group advantages; **logprobs** of every
-unmasked sample under the current policy (the proximal policy, and the vLLM/trainer mismatch), plus
-the reference policy's only when the KL weight is non-zero; **train** one optimizer step on the
-samples that carry signal; **refit** vLLM from the exported weights, versioned by step; **validate**
-on the held-out rows with greedy decoding.
+unmasked sample under the current policy when the step needs ``pi_old`` before training (several
+optimizer steps per rollout batch, or mismatch masking), plus the reference policy's only when the
+KL weight is non-zero; **train** ``train.epochs x train.minibatches`` optimizer steps on every
+unmasked sample (zero-advantage ones included: they count in the loss's normaliser and carry the
+KL term); **refit** vLLM from the exported weights, versioned by step; **validate** on the
+held-out rows with greedy decoding. With ``train.dynamic_sampling`` (DAPO) :meth:`Controller.collect`
+drops groups without signal and rolls out more prompts to replace them.
 """
 
 from __future__ import annotations
@@ -21,19 +24,41 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rl_bridge.grpo import group_advantages
+from rl_bridge.grpo import group_advantages, mismatch_exceeds
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.roles import Roles
 from rl_bridge.loop.tasks import TaskData
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
 from vllm_video_plugin.refit import PauseMode
 
-__all__ = ["MASKED_ROWS_FILE", "Controller", "timed", "with_sampling"]
+
+@dataclass
+class StepBatch:
+    """The policy samples of one step, by group (one group: the G rollouts of one prompt)."""
+
+    groups: list[list[Any]] = field(default_factory=list)
+    """Each group's :class:`~rl_bridge.megatron.batch.PolicySample` objects (masked rollouts have
+    none; a multi-turn rollout may have several)."""
+    zero_signal: list[bool] = field(default_factory=list)
+    """Per group: all its valid rewards are equal (or it has fewer than two), so its advantages
+    are 0."""
+
+    @property
+    def samples(self) -> list[Any]:
+        """Every sample, groups in order."""
+        return [sample for group in self.groups for sample in group]
+
+    def extend(self, other: StepBatch) -> None:
+        self.groups += other.groups
+        self.zero_signal += other.zero_signal
+
+__all__ = ["MASKED_ROWS_FILE", "Controller", "StepBatch", "timed", "with_sampling"]
 
 MASKED_ROWS_FILE = "masked_rows.jsonl"
 """Run-directory file with one JSON line per masked row: ``task_id``, ``reason`` (the
@@ -41,13 +66,27 @@ MASKED_ROWS_FILE = "masked_rows.jsonl"
 
 
 @contextmanager
-def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Record the wall time of the block in ``timings["time/<name>_s"]`` (seconds)."""
+def timed(name: str, timings: dict[str, float], *, add: bool = False) -> Iterator[None]:
+    """Record the wall time of the block in ``timings["time/<name>_s"]`` (seconds); ``add``: add it
+    to what is there."""
     started = time.monotonic()
     try:
         yield
     finally:
-        timings[f"time/{name}_s"] = time.monotonic() - started
+        key = f"time/{name}_s"
+        timings[key] = (timings.get(key, 0.0) if add else 0.0) + time.monotonic() - started
+
+
+def _split(order: list[int], parts: int) -> list[list[int]]:
+    """``order`` in ``parts`` contiguous chunks whose sizes differ by at most one (empty ones dropped)."""
+    base, extra = divmod(len(order), parts)
+    chunks, start = [], 0
+    for part in range(parts):
+        end = start + base + (part < extra)
+        if end > start:
+            chunks.append(order[start:end])
+        start = end
+    return chunks
 
 
 def with_sampling(row: Mapping[str, Any], temperature: float, max_output_tokens: int) -> dict[str, Any]:
@@ -112,6 +151,7 @@ class Controller:
         self.loss = GRPOPolicyLoss(recipe.train.loss)
         self._order: list[int] = []
         self._rng = random.Random(recipe.seed)
+        self._minibatch_rng = random.Random(recipe.seed + 1)
 
     # -- data ----------------------------------------------------------------------------------------
 
@@ -146,28 +186,36 @@ class Controller:
         metrics["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
         return results, metrics
 
-    def preprocess(self, results: Sequence[RolloutResult]) -> tuple[list[Any], dict[str, float]]:
-        """Policy samples with their advantages (masked rollouts left out) and the step's counts."""
+    def preprocess(self, results: Sequence[RolloutResult]) -> tuple[StepBatch, dict[str, float]]:
+        """Policy samples with their advantages, by group (masked rollouts left out), and the
+        step's counts. Scored rollouts (``ok`` and ``policy_fault``) enter their group's baseline;
+        a ``policy_fault`` one is trained with its failure reward."""
         from rl_bridge.media_batch import MediaMetrics
 
+        group_size = self.recipe.rollout.group_size
         self.inputs.metrics = MediaMetrics()
         built = [self.inputs.build(res.result) if res.result is not None else None for res in results]
         valid = torch.tensor([b is not None and not b.masked for b in built])
         rewards = torch.tensor([res.reward if res.reward is not None else float("nan") for res in results])
         grouped = group_advantages(
             rewards,
-            group_size=self.recipe.rollout.group_size,
+            group_size=group_size,
             sample_mask=valid,
             normalize_std=self.recipe.train.loss.normalize_std,
             leave_one_out=self.recipe.train.loss.leave_one_out,
             std_eps=self.recipe.train.loss.std_eps,
         )
-        samples = [
-            sample
+        per_rollout = [
+            inputs.to_policy_samples(advantage) if inputs is not None and not inputs.masked else []
             for inputs, advantage in zip(built, grouped.advantages.tolist(), strict=True)
-            if inputs is not None and not inputs.masked
-            for sample in inputs.to_policy_samples(advantage)
         ]
+        batch = StepBatch(
+            groups=[
+                [s for rollout in per_rollout[start : start + group_size] for s in rollout]
+                for start in range(0, len(per_rollout), group_size)
+            ],
+            zero_signal=grouped.zero_signal.tolist(),
+        )
         reasons = [
             f"rollout_{res.outcome}" if inputs is None else inputs.mask_reason
             for res, inputs in zip(results, built, strict=True)
@@ -183,8 +231,10 @@ class Controller:
             for inputs in built
             if inputs is not None and not inputs.masked and inputs.trajectory is not None
         ]
+        samples = batch.samples
         metrics = {
             "preprocess/samples": float(len(samples)),
+            "preprocess/zero_advantage_samples": float(sum(s.advantage == 0.0 for s in samples)),
             "preprocess/masked": float(len(results) - int(valid.sum())),
             # Rows: trained + sum(masked/<reason>) == rollout/rows.
             "preprocess/trained": float(int(valid.sum())),
@@ -193,7 +243,56 @@ class Controller:
             **{f"preprocess/{k}": float(v) for k, v in grouped.metrics().items()},
             **{f"preprocess/{k}": float(v) for k, v in self.inputs.metrics.as_dict().items()},
         }
-        return samples, metrics
+        return batch, metrics
+
+    def collect(self, timings: dict[str, float]) -> tuple[StepBatch, dict[str, float]]:
+        """Roll out and preprocess one step's prompts (sync loop), timing both stages in ``timings``.
+
+        With ``train.dynamic_sampling`` (DAPO's dynamic sampling), groups without signal are
+        dropped and further rounds of ``prompts_per_step`` prompts are rolled out until the step
+        holds ``prompts_per_step`` groups with signal or ``dynamic_sampling_max_rounds`` rounds
+        were made; surplus groups of the last round are not used. Rollout and preprocessing counts
+        are summed over the rounds; ``dynamic/rounds``, ``dynamic/groups_dropped`` and
+        ``dynamic/groups_kept`` say what happened. ``rollout/reward_mean`` is over every round's
+        rollouts.
+        """
+        train = self.recipe.train
+        wanted = self.recipe.rollout.prompts_per_step
+        batch = StepBatch()
+        totals: dict[str, float] = {}
+        rewards: list[float] = []
+        dropped = rounds = 0
+        while True:
+            rounds += 1
+            with timed("rollout", timings, add=True):
+                results, rollout_metrics = self.rollout(self.next_prompts())
+            with timed("preprocess", timings, add=True):
+                step_batch, preprocess_metrics = self.preprocess(results)
+            rewards += [res.reward for res in results if res.reward is not None]
+            for name, value in {**rollout_metrics, **preprocess_metrics}.items():
+                totals[name] = totals.get(name, 0.0) + value
+            if not train.dynamic_sampling:
+                batch = step_batch
+                break
+            for group, zero in zip(step_batch.groups, step_batch.zero_signal, strict=True):
+                if zero or not group:
+                    dropped += 1
+                elif len(batch.groups) < wanted:
+                    batch.extend(StepBatch(groups=[group], zero_signal=[False]))
+            if len(batch.groups) >= wanted or rounds >= train.dynamic_sampling_max_rounds:
+                break
+        averaged = ("preprocess/media/videos_per_sample", "preprocess/groups/zero_signal_frac")
+        for name in averaged:
+            if name in totals:
+                totals[name] /= rounds
+        totals["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
+        if train.dynamic_sampling:
+            totals |= {
+                "dynamic/rounds": float(rounds),
+                "dynamic/groups_dropped": float(dropped),
+                "dynamic/groups_kept": float(len(batch.groups)),
+            }
+        return batch, totals
 
     def _log_masked(self, records: Iterable[tuple[Mapping[str, Any], str, str]]) -> None:
         """Append each masked ``(row or rollout record, reason, detail)`` to
@@ -208,8 +307,14 @@ class Controller:
                 log.writelines(lines)
 
     def logprobs(self, samples: list[Any]) -> list[Any]:
-        """The samples with ``old_logprobs`` (and ``ref_logprobs`` when the KL weight is non-zero)."""
-        old = self.roles.policy.logprobs(samples)
+        """The samples with ``old_logprobs`` when the step needs ``pi_old`` before training
+        (:attr:`Recipe.needs_old_logprobs`; otherwise the training forward provides it, one
+        forward pass fewer) and ``ref_logprobs`` when the KL weight is non-zero."""
+        if not samples:
+            return []
+        old = (
+            self.roles.policy.logprobs(samples) if self.recipe.needs_old_logprobs else [None] * len(samples)
+        )
         ref = (
             self.roles.reference.logprobs(samples)
             if self.roles.reference is not None
@@ -221,29 +326,90 @@ class Controller:
         ]
 
     def train(self, samples: list[Any]) -> dict[str, float]:
-        """One optimizer step on the samples with a non-zero advantage (none: no step)."""
-        signal = [s for s in samples if s.advantage != 0.0]
-        metrics = self._mismatch(samples)
-        if not signal:
-            return {**metrics, "train/skipped_no_signal": 1.0}
+        """``train.epochs`` passes over the samples, each split in a fresh seeded order into
+        ``train.minibatches`` optimizer steps, on every unmasked sample.
+
+        With ``loss.seq_mismatch_threshold`` the sequences over it get loss weight 0 first
+        (``mismatch/masked_seqs``). Metrics: the vLLM/trainer mismatch of ``pi_old`` (the
+        recomputed ``old_logprobs``, or the first training forward's logprobs), ``train/*`` of the
+        last optimizer step (loss terms and clip fractions averaged over the steps, which is where
+        the clip shows: the first step of a batch is on-policy), ``train/optimizer_steps``.
+        """
+        train = self.recipe.train
+        threshold = train.loss.seq_mismatch_threshold
+        metrics: dict[str, float] = {}
+        if threshold is not None:
+            over = [
+                bool(mismatch_exceeds(*self._token_rows(s), threshold)[0])
+                if s.behaviour_logprobs is not None
+                else False
+                for s in samples
+            ]
+            samples = [
+                dataclasses.replace(s, loss_weight=0.0) if masked else s
+                for s, masked in zip(samples, over, strict=True)
+            ]
+            metrics["mismatch/masked_seqs"] = float(sum(over))
+        trainable = [s for s in samples if s.loss_weight > 0 and s.num_target_tokens > 0]
+        if not trainable:
+            return {**metrics, **self._mismatch(samples), "train/optimizer_steps": 0.0}
+        first: dict[int, Any] = {}
+        steps = []
+        for _ in range(train.epochs):
+            order = list(range(len(trainable)))
+            if train.minibatches > 1:
+                self._minibatch_rng.shuffle(order)
+            for chunk in _split(order, train.minibatches):
+                want = any(trainable[i].old_logprobs is None and i not in first for i in chunk)
+                step = self.roles.policy.train_step(
+                    [trainable[i] for i in chunk], self.loss, return_logprobs=want
+                )
+                if want:
+                    for i, logprobs in zip(chunk, step.logprobs, strict=True):
+                        first.setdefault(i, logprobs)
+                steps.append(step)
+        trained_ids = {id(s) for s in trainable}
+        with_old = [
+            s if s.old_logprobs is not None else dataclasses.replace(s, old_logprobs=first[i])
+            for i, s in enumerate(trainable)
+        ] + [s for s in samples if id(s) not in trained_ids]
+        per_step = [step.as_dict() for step in steps]
+        last = per_step[-1]
+        averaged = {f"train/{n}" for step in steps for n in step.loss_metrics} | {"train/loss", "train/grad_norm"}
+        for name in averaged:
+            values = [record[name] for record in per_step if name in record]
+            if values:
+                last[name] = max(values) if name.endswith("_max") else sum(values) / len(values)
         return {
             **metrics,
-            **self.roles.policy.train_step(signal, self.loss).as_dict(),
-            "train/skipped_no_signal": 0.0,
+            **self._mismatch(with_old),
+            **last,
+            "train/optimizer_steps": float(len(steps)),
         }
 
     @staticmethod
+    def _token_rows(sample: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sample's trainer (``old``) and vLLM logprobs and target mask, each as a ``[1, T]`` row."""
+        return (
+            sample.old_logprobs.unsqueeze(0),
+            sample.behaviour_logprobs.unsqueeze(0),
+            sample.target_mask.unsqueeze(0),
+        )
+
+    @staticmethod
     def _mismatch(samples: Sequence[Any]) -> dict[str, float]:
-        """vLLM vs trainer (before the update) on every unmasked sample: token and worst sequence
+        """vLLM vs trainer (``pi_old``) on the samples that have both: token and worst sequence
         multiplicative probability error, ``exp(|logp_trainer - logp_vllm|)``."""
-        if not samples:
-            return {}
         token_errors: list[float] = []
         seq_errors: list[float] = []
         for s in samples:
+            if s.old_logprobs is None or s.behaviour_logprobs is None:
+                continue
             diff = (s.old_logprobs - s.behaviour_logprobs)[s.target_mask].double()
             token_errors += diff.abs().exp().tolist()
             seq_errors.append(math.exp(abs(float(diff.sum()))))
+        if not token_errors:
+            return {}
         return {
             "mismatch/token_mult_prob_error": sum(token_errors) / len(token_errors),
             "mismatch/seq_mult_prob_error_max": max(seq_errors),

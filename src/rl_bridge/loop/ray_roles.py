@@ -275,12 +275,12 @@ class PolicyWorker:
                 )
         return layout
 
-    def call(self, which: str, method: str, *args: Any) -> Any:
-        """``getattr(policy, method)(*args)`` on the policy ``which`` (``"policy"``/``"reference"``)."""
+    def call(self, which: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``getattr(policy, method)(*args, **kwargs)`` on the policy ``which`` (``"policy"``/``"reference"``)."""
         from rl_bridge.megatron.cpu_support import cpu_execution
 
         with cpu_execution():
-            return getattr(self._policies[which], method)(*args)
+            return getattr(self._policies[which], method)(*args, **kwargs)
 
     def stop(self) -> None:
         """Drop the policies and leave the process group (safe to call more than once)."""
@@ -374,13 +374,29 @@ class RayPolicy:
     def _role(self, rank: int) -> str:
         return f"{self.name}[rank {rank}]"
 
-    def _call_all(self, method: str, per_worker_args: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def _call_all(self, method: str, per_worker_args: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
         return _gather(
             [
-                (self._role(layout.rank), worker.call.remote(self._which, method, *args))
+                (self._role(layout.rank), worker.call.remote(self._which, method, *args, **kwargs))
                 for worker, layout, args in zip(self._workers, self._layouts, per_worker_args, strict=True)
             ]
         )
+
+    def _in_batch_order(self, shares: Sequence[Sequence[Any]], per_rank: Sequence[list[Any]], total: int) -> list[Any]:
+        """Per-sample results of each replica's first tensor-parallel rank, in batch order (the
+        zero-weight fillers of empty shares dropped)."""
+        by_replica = {
+            layout.data_parallel_rank: result
+            for layout, result in zip(self._layouts, per_rank, strict=True)
+            if layout.tensor_parallel_rank == 0
+        }
+        out: list[Any] = []
+        remaining = total
+        for rank in range(self._data_parallel):
+            taken = by_replica[rank][: min(len(shares[rank]), remaining)]
+            out.extend(taken)
+            remaining -= len(taken)
+        return out
 
     def logprobs(self, batch: Sequence[PolicySample]) -> list[Any]:
         """Per-token logprobs of every sample (see :meth:`MegatronPolicy.logprobs`), in batch order."""
@@ -388,25 +404,23 @@ class RayPolicy:
         results = self._call_all(
             "logprobs", [(shares[layout.data_parallel_rank],) for layout in self._layouts]
         )
-        by_replica = {
-            layout.data_parallel_rank: result
-            for layout, result in zip(self._layouts, results, strict=True)
-            if layout.tensor_parallel_rank == 0
-        }
-        out: list[Any] = []
-        remaining = len(batch)
-        for rank in range(self._data_parallel):
-            taken = by_replica[rank][: min(len(shares[rank]), remaining)]
-            out.extend(taken)
-            remaining -= len(taken)
-        return out
+        return self._in_batch_order(shares, results, len(batch))
 
-    def train_step(self, batch: Sequence[PolicySample], loss_fn: PolicyLoss) -> TrainStepMetrics:
-        """One optimizer step on ``batch`` over all ranks (see :meth:`MegatronPolicy.train_step`)."""
+    def train_step(
+        self, batch: Sequence[PolicySample], loss_fn: PolicyLoss, *, return_logprobs: bool = False
+    ) -> TrainStepMetrics:
+        """One optimizer step on ``batch`` over all ranks (see :meth:`MegatronPolicy.train_step`);
+        with ``return_logprobs`` the forward's logprobs of every sample, in batch order."""
         shares = split_for_data_parallel(batch, self._data_parallel)
-        return self._call_all(
-            "train_step", [(shares[layout.data_parallel_rank], loss_fn) for layout in self._layouts]
-        )[0]
+        results = self._call_all(
+            "train_step",
+            [(shares[layout.data_parallel_rank], loss_fn) for layout in self._layouts],
+            return_logprobs=return_logprobs,
+        )
+        if not return_logprobs:
+            return results[0]
+        logprobs = self._in_batch_order(shares, [r.logprobs for r in results], len(batch))
+        return dataclasses.replace(results[0], logprobs=logprobs)
 
     def save_hf_checkpoint(self, directory: str | Path) -> Path:
         """Export the weights as an HF checkpoint in ``directory`` (rank 0 writes)."""
@@ -543,7 +557,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
                 tensor_parallel=cluster.tensor_parallel,
                 seed=recipe.seed,
                 model_dir=str(data.model_dir),
-                config=recipe.policy_config(),
+                config=recipe.policy_config(data.token_support(recipe)),
                 with_reference=needs_reference(recipe.train.loss),
             ),
         )

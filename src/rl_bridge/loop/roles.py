@@ -34,7 +34,7 @@ class PolicyHandle(Protocol):
 
     def logprobs(self, batch: Sequence[Any]) -> list[torch.Tensor]: ...
 
-    def train_step(self, batch: Sequence[Any], loss_fn: Any) -> Any: ...
+    def train_step(self, batch: Sequence[Any], loss_fn: Any, *, return_logprobs: bool = False) -> Any: ...
 
     def save_hf_checkpoint(self, directory: str | Path) -> Path: ...
 
@@ -64,8 +64,9 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
 
     The model section's dtype, context length and parallelism; dev mode for refits; the run's
     media root as the allowed local media path; as many videos per prompt as a trajectory
-    collects; and this package's video loader with the sampling contract the trainer's processor
-    uses, so vLLM and the trainer sample the same frames.
+    collects; this package's video loader with the sampling contract the trainer's processor
+    uses, so vLLM and the trainer sample the same frames; and processed logprobs (after temperature
+    and the option restriction), the distribution the policy's logprobs are computed for.
     """
     from rl_bridge.processors import load_processor
     from rl_bridge.services.vllm_server import VLLMServerConfig
@@ -87,6 +88,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         allowed_local_media_path=data.media_root,
         limit_mm_per_prompt={"image": 0, "video": recipe.task.videos_per_prompt},
         media_io_kwargs={"video": contract.to_media_io_kwargs()},
+        logprobs_mode="processed_logprobs",
         startup_timeout_s=900,
         extra_args=tuple(extra_args),
     )
@@ -118,7 +120,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     )
     stack.enter_context(cpu_execution())
     stack.enter_context(single_process_group(seed=recipe.seed))
-    config = recipe.policy_config()
+    config = recipe.policy_config(data.token_support(recipe))
     policy = MegatronPolicy(data.model_dir, config)
     reference = (
         MegatronPolicy(data.model_dir, dataclasses.replace(config, learning_rate=0.0))

@@ -258,6 +258,11 @@ class TaskData:
     letter_ids: list[int]
     """Token ids of the option letters (sampling is restricted to them when configured)."""
 
+    def token_support(self, recipe: Recipe) -> list[int] | None:
+        """The tokens vLLM samples from: the option letters with ``rollout.restrict_to_options``,
+        else ``None`` (the whole vocabulary). The policy's logprobs run over the same tokens."""
+        return list(self.letter_ids) if recipe.rollout.restrict_to_options else None
+
     def gym_specs(
         self, recipe: Recipe, *, openai_url: str, model_name: str
     ) -> tuple[list[GymServerSpec], str]:
@@ -276,9 +281,8 @@ class TaskData:
         from rl_bridge.services.gym_server import GymServerSpec, video_model_server_spec
 
         task = recipe.task
-        extra_body = (
-            {"allowed_token_ids": list(self.letter_ids)} if recipe.rollout.restrict_to_options else None
-        )
+        support = self.token_support(recipe)
+        extra_body = {"allowed_token_ids": support} if support is not None else None
         model = video_model_server_spec(
             MODEL_SERVER,
             openai_url=openai_url,
@@ -300,6 +304,7 @@ class TaskData:
                     "model_server": model.ref(),
                     "max_steps": task.num_segments + 1,
                     "observation_route": _NEXT_SEGMENT_ROUTE,
+                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
                 },
             )
         else:
@@ -310,7 +315,12 @@ class TaskData:
                 AGENT_SERVER,
                 "responses_api_agents",
                 "video_tools_agent",
-                {"resources_server": resources.ref(), "model_server": model.ref(), "max_steps": 1},
+                {
+                    "resources_server": resources.ref(),
+                    "model_server": model.ref(),
+                    "max_steps": 1,
+                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
+                },
             )
         return [model, resources, agent], AGENT_SERVER
 

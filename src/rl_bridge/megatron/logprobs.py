@@ -18,6 +18,10 @@ position, and autograd keeps it for the backward pass (for a 151,936-token vocab
 Vocabulary padding (megatron-core pads the output layer to a multiple of
 ``make_vocab_size_divisible_by * TP``) is excluded: columns at or beyond the real vocabulary size
 take no part in the normaliser and receive zero gradient.
+
+A ``support`` (the token ids sampling was restricted to, e.g. vLLM's ``allowed_token_ids``) makes
+the distribution the softmax over those columns only: the policy that actually sampled the tokens,
+whose logprobs vLLM reports with ``--logprobs-mode processed_logprobs``.
 """
 
 from __future__ import annotations
@@ -96,9 +100,11 @@ def token_logprobs(
     vocab_size: int,
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
+    support: torch.Tensor | None = None,
     max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """``log softmax(logits / temperature)[target]`` for each row, over the real vocabulary.
+    """``log softmax(logits / temperature)[target]`` for each row, over the real vocabulary
+    (or over ``support``).
 
     Args:
         logits: ``[rows, local_vocab]``, any float dtype, any strides. Without tensor parallelism
@@ -109,6 +115,8 @@ def token_logprobs(
         temperature: the sampling temperature the logits are divided by (> 0).
         tp_group: the tensor-parallel group the vocabulary is sharded over; ``None`` (or a group
             of size 1) means ``logits`` hold the whole vocabulary.
+        support: ``[K]`` distinct global token ids the softmax runs over (every other column takes
+            no part and gets zero gradient); ``None``: the whole real vocabulary.
         max_chunk_elements: at most this many logits are held in fp32 at a time.
 
     Returns:
@@ -117,7 +125,8 @@ def token_logprobs(
 
     Raises:
         ValueError: mismatched shapes, a non-positive temperature, a target outside the
-            vocabulary, or a shard layout that does not cover ``vocab_size``.
+            vocabulary or outside ``support``, or a shard layout that does not cover
+            ``vocab_size``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(
@@ -150,8 +159,26 @@ def token_logprobs(
     local_targets = targets.long() - vocab_start
     in_shard = (local_targets >= 0) & (local_targets < real_columns)
     local_targets = torch.where(in_shard, local_targets, 0)
-    chunk_rows = max(1, max_chunk_elements // real_columns)
+    columns = logits[:, :real_columns]
+    if support is not None:
+        ids = torch.unique(support.to(device=logits.device, dtype=torch.long))  # sorted
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"token_logprobs: support must be non-empty ids in [0, {vocab_size})")
+        if targets.numel() and not bool(torch.isin(targets.long().to(ids.device), ids).all()):
+            raise ValueError("token_logprobs: a target id lies outside the support it was sampled from")
+        local_ids = ids[(ids >= vocab_start) & (ids < vocab_start + real_columns)] - vocab_start
+        if local_ids.numel():
+            position = torch.searchsorted(local_ids, local_targets).clamp(max=local_ids.numel() - 1)
+            in_shard = in_shard & (local_ids[position] == local_targets)
+            local_targets = torch.where(in_shard, position, 0)
+            columns = columns.index_select(1, local_ids)
+        else:  # this rank holds none of the support: one column that adds nothing
+            in_shard = torch.zeros_like(in_shard)
+            local_targets = torch.zeros_like(local_targets)
+            columns = logits[:, :1] * 0.0 - float("inf")  # connected to the graph, zero gradient
+    # Every rank of the group must take the same chunks (each chunk all-reduces), so the chunk size
+    # comes from widths all ranks share, not from this shard's own column count.
+    width = local_vocab if support is None else min(local_vocab, int(ids.numel()))
+    chunk_rows = max(1, max_chunk_elements // width)
     group = tp_group if tp_size > 1 else None
-    return _TokenLogprobs.apply(
-        logits[:, :real_columns], local_targets, in_shard, 1.0 / temperature, group, chunk_rows
-    )
+    return _TokenLogprobs.apply(columns, local_targets, in_shard, 1.0 / temperature, group, chunk_rows)

@@ -28,6 +28,7 @@ inside :func:`.cpu_support.cpu_execution` (see :func:`.model.build_policy`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rl_bridge.grpo import GRPOLossConfig, grpo_loss
+from rl_bridge.grpo import GRPOLossConfig, grpo_loss, loss_denominator
 from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
 from rl_bridge.megatron.cpu_support import cpu_support_needed, optimizer_config_for_host
 from rl_bridge.megatron.logprobs import token_logprobs
@@ -77,10 +78,22 @@ class StepCounts:
     """Target tokens."""
     num_target_sequences: int
     """Samples with at least one target token."""
+    normalizer: float
+    """The sum of the loss's :meth:`PolicyLoss.denominator` over every micro-batch of the step on
+    every data-parallel rank: what each micro-batch's part is divided by."""
 
 
 class PolicyLoss(Protocol):
     """The training objective, evaluated one micro-batch at a time (e.g. the GRPO loss)."""
+
+    def denominator(self, batch: MicroBatch) -> float:
+        """This micro-batch's share of the step's normaliser (e.g. its weighted target tokens).
+
+        The policy sums it over the step's micro-batches and data-parallel ranks before the first
+        forward and passes the sum as :attr:`StepCounts.normalizer`, so numerator and
+        denominator run over the same tokens whatever the split.
+        """
+        ...
 
     def __call__(
         self, logprobs: torch.Tensor, mask: torch.Tensor, batch: MicroBatch, counts: StepCounts
@@ -94,14 +107,15 @@ class PolicyLoss(Protocol):
             mask: ``[B, S]`` bool, ``batch.target_mask``: the positions to train on. At least one
                 is true (micro-batches without targets are not passed to the loss).
             batch: the micro-batch (advantages, loss weights, old/behaviour/reference logprobs).
-            counts: the step's batch sizes, for normalising.
+            counts: the step's batch sizes and normaliser.
 
         Returns:
             The loss part, a scalar with gradient, such that the parts of all micro-batches (and
-            data-parallel ranks) **sum** to the step's loss; a token mean over the step is
-            ``(per-token losses * mask).sum() / counts.num_target_tokens``. Then scalar metrics
-            (detached tensors or floats), each a mean over this micro-batch's target tokens;
-            the step reports their target-token-weighted mean.
+            data-parallel ranks) **sum** to the step's loss: the part's numerator divided by
+            ``counts.normalizer``. Then scalar metrics (detached tensors or floats), each a mean
+            over this micro-batch's trained tokens (targets of samples with a positive weight),
+            which the step averages with those token counts as weights; a name ending in ``_max``
+            is a maximum instead, and the step reports the largest.
         """
         ...
 
@@ -110,22 +124,24 @@ class GRPOPolicyLoss:
     """:func:`rl_bridge.grpo.grpo_loss` as a :class:`PolicyLoss`.
 
     Takes each micro-batch's ``old_logprobs``, ``behaviour_logprobs``, ``ref_logprobs``,
-    advantages and loss weights, and normalises by the step's token count (``token-mean``) or
-    sequence count (``seq-mean-token-mean``), so the micro-batch parts sum to the batch loss.
-    Metrics: those of ``grpo_loss`` except the additive ``loss/total``, ``loss/pg`` and
-    ``tokens/valid`` (the step reports its loss and token counts itself); per-sequence maxima are
-    per micro-batch.
+    advantages and loss weights; the denominator is :func:`rl_bridge.grpo.loss_denominator` of the
+    config's aggregation, so the micro-batch parts sum to the batch loss. Metrics: those of
+    ``grpo_loss`` except the additive ``loss/total``, ``loss/pg`` and ``tokens/valid`` (the step
+    reports its loss and token counts itself) and the per-sequence mean
+    ``mismatch/seq_mult_prob_error`` (not a token mean).
     """
 
-    _ADDITIVE_METRICS = ("loss/total", "loss/pg", "tokens/valid")
+    _LEFT_OUT = ("loss/total", "loss/pg", "tokens/valid", "mismatch/seq_mult_prob_error")
 
     def __init__(self, config: GRPOLossConfig) -> None:
         self.config = config
 
+    def denominator(self, batch: MicroBatch) -> float:
+        return float(loss_denominator(batch.target_mask, batch.loss_weights, self.config))
+
     def __call__(
         self, logprobs: torch.Tensor, mask: torch.Tensor, batch: MicroBatch, counts: StepCounts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        per_tokens = self.config.loss_agg_mode == "token-mean"
         loss, metrics = grpo_loss(
             logprobs,
             batch.advantages,
@@ -135,9 +151,9 @@ class GRPOPolicyLoss:
             behaviour_logprobs=batch.behaviour_logprobs,
             ref_logprobs=batch.ref_logprobs,
             sample_weights=batch.loss_weights,
-            normalizer=counts.num_target_tokens if per_tokens else counts.num_target_sequences,
+            normalizer=counts.normalizer,
         )
-        return loss, {name: value for name, value in metrics.items() if name not in self._ADDITIVE_METRICS}
+        return loss, {name: value for name, value in metrics.items() if name not in self._LEFT_OUT}
 
 
 @dataclass(frozen=True)
@@ -163,6 +179,10 @@ class PolicyConfig:
     """Logits are divided by it before the softmax, in :meth:`MegatronPolicy.logprobs` and in
     training. Use the rollouts' sampling temperature when the rollout engine reports logprobs after
     temperature (vLLM's ``processed_logprobs``), 1.0 with its default ``raw_logprobs``."""
+    token_support: tuple[int, ...] | None = None
+    """Token ids the rollout engine's sampling was restricted to (vLLM ``allowed_token_ids``):
+    logprobs are those of the softmax over these tokens only, the distribution the tokens were
+    sampled from (vLLM's ``processed_logprobs``); ``None``: the whole vocabulary."""
     freeze_vision: bool = False
     """No updates to the vision tower (patch embedding and blocks)."""
     freeze_projector: bool = False
@@ -180,6 +200,8 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig: micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if not self.temperature > 0:
             raise ValueError(f"PolicyConfig: temperature must be > 0, got {self.temperature}")
+        if self.token_support is not None and not self.token_support:
+            raise ValueError("PolicyConfig: token_support must hold at least one token id (or be None)")
         if self.learning_rate < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError(
                 f"PolicyConfig: learning_rate={self.learning_rate}, weight_decay={self.weight_decay} and "
@@ -206,7 +228,11 @@ class TrainStepMetrics:
     update_skipped: bool
     """The optimizer skipped the update (fp16 loss-scale overflow)."""
     loss_metrics: dict[str, float] = field(default_factory=dict)
-    """Token-weighted means of the metrics returned by the loss."""
+    """Token-weighted means (maxima for ``*_max``) of the metrics returned by the loss."""
+    logprobs: list[torch.Tensor] | None = None
+    """With ``train_step(..., return_logprobs=True)``: this rank's samples' logprobs from the
+    step's forward pass, before the update (layout of :meth:`MegatronPolicy.logprobs`); with one
+    optimizer step per rollout batch they are ``pi_old``, with no separate pass."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``train/...`` scalars for a logger (``grad_norm`` left out when unknown)."""
@@ -310,6 +336,11 @@ class MegatronPolicy:
         )
         self._step = 0
         self._device = next(self._model[0].parameters()).device
+        self._token_support = (
+            torch.tensor(self.config.token_support, dtype=torch.long, device=self._device)
+            if self.config.token_support is not None
+            else None
+        )
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -362,6 +393,7 @@ class MegatronPolicy:
             vocab_size=self.vocab_size,
             temperature=self.config.temperature,
             tp_group=self._logits_tp_group,
+            support=self._token_support,
         )
         zeros = torch.zeros(batch_size, seq_len, dtype=torch.float32, device=logits.device)
         return zeros.index_put((sample, position), values)
@@ -439,15 +471,28 @@ class MegatronPolicy:
     # -- training ---------------------------------------------------------------------------------
 
     def train_step(
-        self, batch: Sequence[PolicySample], loss_fn: PolicyLoss, *, micro_batch_size: int | None = None
+        self,
+        batch: Sequence[PolicySample],
+        loss_fn: PolicyLoss,
+        *,
+        micro_batch_size: int | None = None,
+        return_logprobs: bool = False,
     ) -> TrainStepMetrics:
         """One optimizer step on ``batch`` with the loss ``loss_fn``.
 
         The batch is split into micro-batches of ``micro_batch_size`` samples (``None``:
-        ``config.micro_batch_size``) whose gradients are accumulated; ``loss_fn`` normalises
-        each micro-batch's part by the whole step's counts (summed over data-parallel ranks), so
-        the gradient does not depend on the split. DDP reduces the gradients, then the optimizer
-        clips (where possible) and steps.
+        ``config.micro_batch_size``) whose gradients are accumulated. Before the first forward the
+        loss's :meth:`PolicyLoss.denominator` of every micro-batch is summed over the
+        micro-batches and the data-parallel ranks; each micro-batch's part is divided by that
+        sum, so the loss and its gradient do not depend on the split. DDP reduces the gradients,
+        then the optimizer clips (where possible) and steps.
+
+        Args:
+            batch: this data-parallel rank's samples.
+            loss_fn: the objective.
+            micro_batch_size: samples per forward pass.
+            return_logprobs: also return the forward's detached logprobs of each sample
+                (:attr:`TrainStepMetrics.logprobs`).
 
         Raises:
             ValueError: the batch is empty, or no sample with a positive loss weight has a target
@@ -466,32 +511,45 @@ class MegatronPolicy:
                 sum(s.num_target_tokens for s in batch),
                 sum(s.input_ids.numel() for s in batch),
                 len(batch),
+                sum(loss_fn.denominator(mb) for mb in micro_batches),
             ],
             dtype=torch.float64,
             device=self._device,
         )
         torch.distributed.all_reduce(sizes, group=dp_group)
-        loss_tokens, loss_sequences, target_tokens, tokens, samples = (int(v) for v in sizes.tolist())
-        if loss_tokens == 0:
+        loss_tokens, loss_sequences, target_tokens, tokens, samples = (int(v) for v in sizes[:5].tolist())
+        normalizer = float(sizes[5])
+        if loss_tokens == 0 or not normalizer > 0:
             raise ValueError(
                 "MegatronPolicy.train_step: no sample with a positive loss_weight has a target token"
             )
-        counts = StepCounts(num_target_tokens=loss_tokens, num_target_sequences=loss_sequences)
+        counts = StepCounts(
+            num_target_tokens=loss_tokens, num_target_sequences=loss_sequences, normalizer=normalizer
+        )
         num_micro_batches = len(micro_batches)
 
         def loss_for(micro_batch: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             targets = micro_batch.num_target_tokens
+            trained = int((micro_batch.target_mask & (micro_batch.loss_weights > 0).unsqueeze(-1)).sum())
             if targets == 0:
                 # A backward pass like every other micro-batch's, with zero gradient.
-                return logits.sum() * 0.0, {"loss": 0.0, "targets": 0, "metrics": {}}
+                empty = {"loss": 0.0, "trained": 0, "metrics": {}}
+                if return_logprobs:
+                    empty["logprobs"] = torch.zeros(micro_batch.input_ids.shape, dtype=torch.float32)
+                return logits.sum() * 0.0, empty
             logprobs = self._target_logprobs(logits, micro_batch)
             loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts)
-            reported = {name: float(_detached(value)) for name, value in metrics.items()}
+            reported: dict[str, Any] = {
+                "loss": float(loss.detach()),
+                "trained": trained,
+                "metrics": {name: float(_detached(value)) for name, value in metrics.items()},
+            }
+            if return_logprobs:
+                reported["logprobs"] = logprobs.detach().cpu()
             # megatron-core divides the returned loss by the number of micro-batches, and DDP
             # averages gradients over data-parallel ranks; both are undone, so that the gradient is
             # that of the sum of the parts, the step's loss.
-            scaled = loss * (num_micro_batches * dp_size)
-            return scaled, {"loss": float(loss.detach()), "targets": targets, "metrics": reported}
+            return loss * (num_micro_batches * dp_size), reported
 
         self._model[0].train()
         self._model[0].zero_grad_buffer()
@@ -502,6 +560,13 @@ class MegatronPolicy:
 
         step_loss = torch.tensor(sum(r["loss"] for r in reported), dtype=torch.float64, device=self._device)
         torch.distributed.all_reduce(step_loss, group=dp_group)
+        logprobs: list[torch.Tensor] | None = None
+        if return_logprobs:
+            logprobs = [
+                record["logprobs"][row, :length]
+                for micro_batch, record in zip(micro_batches, reported, strict=True)
+                for row, length in enumerate(micro_batch.lengths.tolist())
+            ]
         return TrainStepMetrics(
             step=self._step,
             loss=float(step_loss),
@@ -511,20 +576,35 @@ class MegatronPolicy:
             num_target_tokens=target_tokens,
             num_tokens=tokens,
             update_skipped=not update_successful,
-            loss_metrics=self._token_weighted_means(reported, target_tokens, dp_group),
+            loss_metrics=self._reduce_metrics(reported, dp_group),
+            logprobs=logprobs,
         )
 
-    def _token_weighted_means(
-        self, reported: list[dict[str, Any]], total_targets: int, dp_group: torch.distributed.ProcessGroup
+    def _reduce_metrics(
+        self, reported: list[dict[str, Any]], dp_group: torch.distributed.ProcessGroup
     ) -> dict[str, float]:
-        """Per-micro-batch metrics averaged with their micro-batch's target-token count as weight."""
+        """The loss's per-micro-batch metrics over the step: means weighted by each micro-batch's
+        trained tokens, maxima for names ending in ``_max``; over all data-parallel ranks."""
         names = sorted({name for record in reported for name in record["metrics"]})
-        sums = torch.zeros(len(names), dtype=torch.float64, device=self._device)
+        means = [name for name in names if not name.endswith("_max")]
+        maxima = [name for name in names if name.endswith("_max")]
+        sums = torch.zeros(len(means) + 1, dtype=torch.float64, device=self._device)
+        largest = torch.full((len(maxima),), -math.inf, dtype=torch.float64, device=self._device)
         for record in reported:
-            for index, name in enumerate(names):
-                sums[index] += record["targets"] * record["metrics"].get(name, 0.0)
+            weight = record["trained"]
+            sums[-1] += weight
+            for index, name in enumerate(means):
+                sums[index] += weight * record["metrics"].get(name, 0.0)
+            for index, name in enumerate(maxima):
+                if name in record["metrics"]:
+                    largest[index] = max(float(largest[index]), record["metrics"][name])
         torch.distributed.all_reduce(sums, group=dp_group)
-        return {name: value / total_targets for name, value in zip(names, sums.tolist(), strict=True)}
+        if maxima:
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        total = float(sums[-1]) or 1.0
+        out = {name: float(sums[index]) / total for index, name in enumerate(means)}
+        out.update({name: float(value) for name, value in zip(maxima, largest.tolist(), strict=True)})
+        return out
 
     # -- weights in HF names ----------------------------------------------------------------------
 

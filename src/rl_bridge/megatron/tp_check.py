@@ -1,7 +1,7 @@
-"""Check that a tensor-parallel policy computes what the single-process policy computes.
+"""Check that a tensor- or data-parallel policy computes what the single-process policy computes.
 
 Start one process per rank with torchrun; the tensor-parallel size defaults to the number of
-processes::
+processes (``--tensor-parallel 1`` with two processes checks data parallelism 2)::
 
     python -m torch.distributed.run --nproc-per-node 2 -m rl_bridge.megatron.tp_check HF_DIR \\
         --output tp_check.json
@@ -19,8 +19,12 @@ media; the same batch on every rank), in fp32:
 
 Rank 0 prints the largest differences, writes them as JSON (``--output``) and exits with status 1
 when a logprob, loss or weight difference exceeds ``--tolerance`` or the resumed step's loss is not
-identical. With data parallelism (fewer tensor-parallel ranks than processes) every replica gets the
-same batch; the step's normaliser counts each copy, so its update equals the single-process one.
+identical. With data parallelism (fewer tensor-parallel ranks than processes) each replica trains on
+its contiguous share of the batch (logprobs are taken on the whole batch everywhere); the step's
+normaliser is summed over the replicas, so its update equals the single-process one on the whole
+batch. ``--reference-micro-batch-size`` gives the reference another micro-batch split,
+``--loss-agg-mode`` the aggregation and ``--masked-sample`` a sample with loss weight 0, so one run
+checks that loss and gradient depend on none of the split, the data-parallel size or the mask.
 
 The reference holds the whole model on rank 0 (one GPU, or host memory on CPU): use a small
 checkpoint with the production geometry's divisibility (attention heads and key-value heads
@@ -50,7 +54,7 @@ from rl_bridge.megatron.distributed import RankEnvironment, model_parallel_group
 from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig, TrainStepMetrics
 from rl_bridge.processors.base import ProcessedMedia
 
-__all__ = ["StepObservations", "compare", "main", "observe_step", "synthetic_batch"]
+__all__ = ["StepObservations", "compare", "data_parallel_share", "main", "observe_step", "synthetic_batch"]
 
 DEFAULT_TOLERANCE = 1e-5
 """Largest accepted absolute difference of logprobs, losses and weights (fp32)."""
@@ -140,12 +144,30 @@ class StepObservations:
     new_logprobs: list[torch.Tensor]
 
 
-def observe_step(policy: MegatronPolicy, batch: Sequence[PolicySample]) -> StepObservations:
-    """Logprobs, one on-policy GRPO step (default loss settings), logprobs. Collective."""
+def observe_step(
+    policy: MegatronPolicy,
+    batch: Sequence[PolicySample],
+    *,
+    share: slice = slice(None),
+    loss: GRPOLossConfig | None = None,
+    micro_batch_size: int | None = None,
+) -> StepObservations:
+    """Logprobs of ``batch``, one on-policy GRPO step on ``batch[share]`` (this data-parallel rank's
+    part), logprobs of ``batch`` again. Collective."""
     old = policy.logprobs(batch)
     on_policy = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(batch, old, strict=True)]
-    metrics = policy.train_step(on_policy, GRPOPolicyLoss(GRPOLossConfig()))
+    metrics = policy.train_step(
+        on_policy[share], GRPOPolicyLoss(loss or GRPOLossConfig()), micro_batch_size=micro_batch_size
+    )
     return StepObservations(old_logprobs=old, metrics=metrics, new_logprobs=policy.logprobs(batch))
+
+
+def data_parallel_share(num_samples: int, rank: int, size: int) -> slice:
+    """The contiguous share of ``num_samples`` that data-parallel ``rank`` of ``size`` trains on
+    (sizes differ by at most one, as :func:`rl_bridge.loop.ray_roles.split_for_data_parallel`)."""
+    base, extra = divmod(num_samples, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
 
 
 def _max_abs_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -264,6 +286,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--samples", type=int, default=4, help="samples in the synthetic batch")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="samples per forward pass")
+    parser.add_argument(
+        "--reference-micro-batch-size", type=int, help="the reference's samples per forward pass (default: the same)"
+    )
+    parser.add_argument(
+        "--loss-agg-mode",
+        default="token-mean",
+        help="GRPO loss aggregation (rl_bridge.grpo.LossAggMode)",
+    )
+    parser.add_argument("--masked-sample", type=int, help="give this sample loss weight 0")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument(
         "--adam-eps",
@@ -299,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     environment = RankEnvironment.from_environ()
     tensor_parallel = args.tensor_parallel or environment.world_size
     batch = synthetic_batch(args.hf_path, num_samples=args.samples, seed=args.seed)
+    if args.masked_sample is not None:
+        batch[args.masked_sample] = dataclasses.replace(batch[args.masked_sample], loss_weight=0.0)
+    loss = GRPOLossConfig(loss_agg_mode=args.loss_agg_mode, loss_norm_tokens=16)
     with ExitStack() as stack:
         stack.enter_context(cpu_execution())
         workdir = args.workdir
@@ -311,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch.distributed.broadcast_object_list(created, src=0)
                 workdir = Path(created[0])
             policy = MegatronPolicy(args.hf_path, config)
-            parallel = observe_step(policy, batch)
+            share = data_parallel_share(len(batch), layout.data_parallel_rank, layout.data_parallel)
+            parallel = observe_step(policy, batch, share=share, loss=loss)
             hf_checkpoint = policy.save_hf_checkpoint(workdir / f"hf-tp{layout.tensor_parallel}")
             resume = _resume_check(policy, batch, workdir / f"checkpoint-tp{layout.tensor_parallel}")
             del policy
@@ -319,7 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         with single_process_group(seed=args.seed):
             reference_policy = MegatronPolicy(args.hf_path, config)
-            reference = observe_step(reference_policy, batch)
+            reference = observe_step(
+                reference_policy, batch, loss=loss, micro_batch_size=args.reference_micro_batch_size
+            )
             reference_weights = {name: t.clone() for name, t in reference_policy.export_hf_weights()}
         report = {
             "hf_path": str(args.hf_path),
@@ -329,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "backend": layout.backend,
             "device": str(layout.device),
             "samples": len(batch),
+            "micro_batch_size": args.micro_batch_size,
+            "reference_micro_batch_size": args.reference_micro_batch_size or args.micro_batch_size,
+            "loss_agg_mode": args.loss_agg_mode,
+            "masked_sample": args.masked_sample,
             "target_tokens": sum(s.num_target_tokens for s in batch),
             "tolerance": args.tolerance,
             **compare(

@@ -80,6 +80,11 @@ class VLLMServerConfig(BaseModel):
         None,
         description='Per-modality media loader options, e.g. {"video": {"video_backend": "NAME"}}.',
     )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = Field(
+        None,
+        description="Which logprobs vLLM returns: of the raw logits (its default) or of the "
+        "distribution sampled from (after temperature and logits processors such as allowed_token_ids).",
+    )
     kv_cache_space_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB.")
     plugins: tuple[str, ...] | None = Field(
         None, description="Allow-list for VLLM_PLUGINS; None loads every installed plugin."
@@ -141,6 +146,8 @@ def server_argv(
         argv += ["--allowed-local-media-path", str(config.allowed_local_media_path.resolve())]
     if config.media_io_kwargs is not None:
         argv += ["--media-io-kwargs", json.dumps(config.media_io_kwargs, sort_keys=True)]
+    if config.logprobs_mode is not None:
+        argv += ["--logprobs-mode", config.logprobs_mode]
     argv += config.extra_args
     return argv
 

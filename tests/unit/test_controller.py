@@ -1,0 +1,183 @@
+"""The step logic of the loop's Controller with its services stubbed: PPO mini-batches and epochs,
+the skipped ``pi_old`` pass, mismatch masking before the step, and DAPO's dynamic sampling."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from rl_bridge.grpo import GRPOLossConfig
+from rl_bridge.loop.config import load_recipe
+from rl_bridge.loop.controller import Controller, StepBatch
+from rl_bridge.loop.roles import Roles
+from rl_bridge.megatron.batch import PolicySample
+from rl_bridge.megatron.policy import GRPOPolicyLoss, TrainStepMetrics
+from rl_bridge.rollout import RolloutResult
+
+pytestmark = pytest.mark.unit
+
+
+_TRAINER_LOGPROBS = torch.tensor([0.0, 0.0, -0.99, -1.99])
+"""What the stub policy computes for every sample: vLLM's logprobs of an unshifted sample + 0.01."""
+
+
+class _Policy:
+    """Records the batches it is asked to train on; its logprobs are :data:`_TRAINER_LOGPROBS`."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[PolicySample]] = []
+        self.logprob_calls = 0
+        self.asked_for_logprobs: list[bool] = []
+
+    def logprobs(self, batch: list[PolicySample]) -> list[torch.Tensor]:
+        self.logprob_calls += 1
+        return [_TRAINER_LOGPROBS.clone() for _ in batch]
+
+    def train_step(self, batch: list[PolicySample], loss_fn: Any, *, return_logprobs: bool = False) -> Any:
+        self.batches.append(list(batch))
+        self.asked_for_logprobs.append(return_logprobs)
+        return TrainStepMetrics(
+            step=len(self.batches),
+            loss=0.5,
+            grad_norm=1.0,
+            learning_rate=1e-3,
+            num_samples=len(batch),
+            num_target_tokens=sum(s.num_target_tokens for s in batch),
+            num_tokens=sum(len(s.input_ids) for s in batch),
+            update_skipped=False,
+            loss_metrics={"clip/frac": 0.1 * (len(self.batches) - 1)},
+            logprobs=[_TRAINER_LOGPROBS.clone() for _ in batch] if return_logprobs else None,
+        )
+
+
+def _controller(*overrides: str) -> tuple[Controller, _Policy]:
+    controller = object.__new__(Controller)
+    controller.recipe = load_recipe(None, list(overrides))
+    policy = _Policy()
+    controller.roles = Roles(vllm_base_url="http://unused", agent_url="http://unused", policy=policy, reference=None)
+    controller.loss = GRPOPolicyLoss(controller.recipe.train.loss)
+    controller._minibatch_rng = random.Random(0)
+    return controller, policy
+
+
+def _sample(index: int, *, mismatch: float = 0.0) -> PolicySample:
+    mask = torch.tensor([False, False, True, True])
+    behaviour = torch.tensor([0.0, 0.0, -1.0, -2.0])
+    behaviour[2] -= mismatch
+    return PolicySample(
+        input_ids=torch.tensor([1, 2, 3, index]),
+        target_mask=mask,
+        advantage=float(index % 3 - 1),  # -1, 0, 1: zero-advantage samples included
+        behaviour_logprobs=behaviour,
+    )
+
+
+def test_one_optimizer_step_trains_every_sample_once_and_takes_pi_old_from_its_forward() -> None:
+    controller, policy = _controller()
+    samples = controller.logprobs([_sample(i) for i in range(6)])
+    assert policy.logprob_calls == 0 and all(s.old_logprobs is None for s in samples)
+    metrics = controller.train(samples)
+    assert [len(b) for b in policy.batches] == [6] and policy.asked_for_logprobs == [True]
+    assert metrics["train/optimizer_steps"] == 1.0
+    # the zero-advantage samples (index 1 and 4) are trained too
+    assert sorted(int(s.input_ids[-1]) for s in policy.batches[0]) == list(range(6))
+    assert metrics["mismatch/token_mult_prob_error"] == pytest.approx(torch.tensor(0.01).exp().item())
+
+
+def test_minibatches_and_epochs_split_a_fresh_order_each_epoch_after_one_pi_old_pass() -> None:
+    controller, policy = _controller("train.minibatches=3", "train.epochs=2")
+    samples = controller.logprobs([_sample(i) for i in range(7)])
+    assert policy.logprob_calls == 1 and all(s.old_logprobs is not None for s in samples)
+    metrics = controller.train(samples)
+    assert [len(b) for b in policy.batches] == [3, 2, 2, 3, 2, 2]
+    assert policy.asked_for_logprobs == [False] * 6  # pi_old was recomputed before the first update
+    for epoch in (policy.batches[:3], policy.batches[3:]):
+        assert sorted(int(s.input_ids[-1]) for b in epoch for s in b) == list(range(7))
+    orders = [[int(s.input_ids[-1]) for b in epoch for s in b] for epoch in (policy.batches[:3], policy.batches[3:])]
+    assert orders[0] != orders[1]
+    assert metrics["train/optimizer_steps"] == 6.0 and metrics["train/step"] == 6.0
+    assert metrics["train/clip/frac"] == pytest.approx(sum(0.1 * k for k in range(6)) / 6)
+
+
+def test_behaviour_proximal_policy_needs_no_pi_old_pass_even_with_minibatches() -> None:
+    controller, policy = _controller("train.minibatches=2", "train.loss.proximal_policy=behaviour")
+    samples = controller.logprobs([_sample(i) for i in range(4)])
+    assert policy.logprob_calls == 0
+    controller.train(samples)
+    assert policy.asked_for_logprobs == [True, True]  # each sample's first forward, for the mismatch metric
+
+
+def test_mismatch_masking_happens_before_the_step_and_is_counted() -> None:
+    controller, policy = _controller("train.loss.seq_mismatch_threshold=2.0")
+    samples = controller.logprobs([_sample(0), _sample(1, mismatch=5.0), _sample(2)])
+    metrics = controller.train(samples)
+    assert metrics["mismatch/masked_seqs"] == 1.0
+    assert [int(s.input_ids[-1]) for s in policy.batches[0]] == [0, 2]
+
+
+def _results(rewards: list[list[float]]) -> list[RolloutResult]:
+    flat = [r for group in rewards for r in group]
+    return [RolloutResult(i, "ok", 1, result={"reward": r}) for i, r in enumerate(flat)]
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_refills_the_step() -> None:
+    controller, _ = _controller(
+        "train.dynamic_sampling=true", "rollout.prompts_per_step=3", "rollout.group_size=2"
+    )
+    # Three rounds of three groups: (signal?) round 1: yes, no, no; round 2: no, yes, no; round 3: yes, yes, yes.
+    rounds = iter(
+        [
+            [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]],
+            [[0.0, 0.0], [0.0, 1.0], [1.0, 1.0]],
+            [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]],
+        ]
+    )
+    current: list[list[float]] = []
+
+    def rollout(prompts: Any) -> tuple[list[RolloutResult], dict[str, float]]:
+        current[:] = next(rounds)
+        return _results(current), {"rollout/rows": 6.0}
+
+    def preprocess(results: Any) -> tuple[StepBatch, dict[str, float]]:
+        groups = [[_sample(10 * len(current) + g)] for g in range(len(current))]
+        return StepBatch(groups=groups, zero_signal=[len(set(g)) == 1 for g in current]), {"preprocess/samples": 3.0}
+
+    controller.next_prompts = lambda: []  # type: ignore[method-assign]
+    controller.rollout = rollout  # type: ignore[method-assign]
+    controller.preprocess = preprocess  # type: ignore[method-assign]
+    timings: dict[str, float] = {}
+    batch, metrics = controller.collect(timings)
+    assert len(batch.groups) == 3 and not any(batch.zero_signal)
+    assert metrics["dynamic/rounds"] == 3.0
+    assert metrics["dynamic/groups_dropped"] == 4.0 and metrics["dynamic/groups_kept"] == 3.0
+    assert metrics["rollout/rows"] == 18.0  # every round's rows are accounted for
+    assert metrics["rollout/reward_mean"] == pytest.approx(9 / 18)
+    assert timings["time/rollout_s"] >= 0 and timings["time/preprocess_s"] >= 0
+
+
+def test_without_dynamic_sampling_one_round_keeps_every_group() -> None:
+    controller, _ = _controller("rollout.prompts_per_step=2", "rollout.group_size=2")
+    controller.next_prompts = lambda: []  # type: ignore[method-assign]
+    controller.rollout = lambda prompts: (_results([[1.0, 1.0], [0.0, 1.0]]), {})  # type: ignore[method-assign]
+    controller.preprocess = lambda results: (  # type: ignore[method-assign]
+        StepBatch(groups=[[_sample(0)], [_sample(1)]], zero_signal=[True, False]),
+        {},
+    )
+    batch, metrics = controller.collect({})
+    assert batch.zero_signal == [True, False] and "dynamic/rounds" not in metrics
+
+
+def test_recipe_fields_of_the_objective_are_checked() -> None:
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        load_recipe(None, ["mode=async", "train.dynamic_sampling=true"])
+    assert not load_recipe(None, []).needs_old_logprobs
+    assert load_recipe(None, ["train.epochs=2"]).needs_old_logprobs
+    assert not load_recipe(None, ["train.epochs=2", "train.loss.proximal_policy=behaviour"]).needs_old_logprobs
+    assert load_recipe(None, ["train.loss.seq_mismatch_threshold=1.5"]).needs_old_logprobs
+    assert GRPOLossConfig().proximal_policy == "trainer"
+    recipe = load_recipe(None, ["rollout.temperature=0.7"])
+    config = recipe.policy_config([5, 7])
+    assert config.temperature == 0.7 and config.token_support == (5, 7)

@@ -1,0 +1,55 @@
+"""token_logprobs without tensor parallelism: against the naive log-softmax, over the vocabulary or a support."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_bridge.megatron.logprobs import token_logprobs
+
+pytestmark = pytest.mark.unit
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 7),
+    temperature=st.floats(0.2, 2.0),
+    support_size=st.integers(1, 6),
+    chunk=st.integers(1, 64),
+)
+def test_support_restricted_logprobs_equal_the_softmax_over_the_support(
+    seed: int, rows: int, temperature: float, support_size: int, chunk: int
+) -> None:
+    """What vLLM reports with ``allowed_token_ids`` and ``processed_logprobs``: the log-softmax of
+    the temperature-scaled logits over the allowed tokens, with zero gradient elsewhere."""
+    vocab, padded = 11, 12
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, padded, generator=generator) * 3
+    support = torch.randperm(vocab, generator=generator)[:support_size]
+    targets = support[torch.randint(0, support_size, (rows,), generator=generator)]
+    upstream = torch.randn(rows, generator=generator)
+    fast_in = logits.clone().requires_grad_()
+    values = token_logprobs(
+        fast_in, targets, vocab_size=vocab, temperature=temperature, support=support, max_chunk_elements=chunk
+    )
+    (values * upstream).sum().backward()
+    naive_in = logits.clone().requires_grad_()
+    masked = torch.full_like(naive_in, float("-inf"))
+    masked[:, support] = naive_in[:, support]
+    reference = torch.log_softmax(masked / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
+    (reference * upstream).sum().backward()
+    torch.testing.assert_close(values, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-5, atol=1e-5)
+    outside = torch.ones(padded, dtype=torch.bool)
+    outside[support] = False
+    assert torch.all(fast_in.grad[:, outside] == 0)
+
+
+def test_a_target_outside_the_support_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside the support"):
+        token_logprobs(torch.zeros(2, 5), torch.tensor([1, 3]), vocab_size=5, support=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="support must be"):
+        token_logprobs(torch.zeros(1, 5), torch.tensor([1]), vocab_size=5, support=torch.tensor([1, 7]))

@@ -22,6 +22,10 @@ output item of each model call with vLLM's ``prompt_token_ids``, ``generation_to
   ``input_image`` parts of the prompt (for the first turn) and of user, system and developer
   messages. Any number per turn. Videos may be files, ``file://`` or ``data:`` URLs, or cached-frame
   manifests (``frames_manifest``); the part is kept as written and resolved when it is loaded.
+  Media inside a ``function_call_output`` (an agent that recorded the tool output as the tool
+  returned it, e.g. Gym's stock agents) are moved out by the same relocation the model server
+  applied before prompting vLLM (``gym_video_env``'s ``relocate_tool_output_media`` hook: into a
+  user message right after the tool output), so they count where vLLM saw them.
 
 Items after the last trainable turn were never sent to the model and are ignored. Every violation
 raises :class:`TrajectoryError` with a :attr:`~TrajectoryError.reason` code that callers count and
@@ -37,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from gym_video_env.handlers import IMAGE_PART_TYPE, VIDEO_PART_TYPE, MediaRef, media_ref
-from gym_video_env.hookspecs import MediaError
+from gym_video_env.hookspecs import MediaError, MediaSettings
+from gym_video_env.request_media import relocate_tool_outputs
 
 __all__ = [
     "MediaKind",
@@ -79,7 +84,8 @@ TrajectoryErrorReason = Literal[
 - ``non_finite_logprob``: a logprob is NaN or infinite;
 - ``invalid_media``: a media part has no source, several, or an unusable URL;
 - ``unsupported_content``: a message part the policy cannot reproduce (audio, files...);
-- ``media_in_tool_output``: media inside a tool output, which Gym cannot send to the model.
+- ``media_in_tool_output``: media inside a tool output that no installed media handler relocates
+  (the model server could not have sent them to vLLM).
 """
 
 _TOKEN_FIELDS: Final = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -377,16 +383,22 @@ def _item_media(item: Any, where: str) -> list[MediaPart]:
     kind = item.get("type")
     if kind == "function_call_output":
         output = item.get("output")
-        if isinstance(output, list):
-            for position, part in _parts(output, f"{where}.output"):
-                if _media_kind(part.get("type")) is not None:
-                    raise TrajectoryError(
-                        "media_in_tool_output",
-                        f"{where}.output[{position}]",
-                        "Gym cannot send media inside a tool output to the model; move them into the "
-                        "user message after it (gym_video_env's relocate_tool_output_media hook)",
-                    )
-        return []
+        if not isinstance(output, list):
+            return []
+        media_positions = [
+            position for position, part in _parts(output, f"{where}.output") if _media_kind(part.get("type"))
+        ]
+        if not media_positions:
+            return []
+        relocated = relocate_tool_outputs([dict(item)], MediaSettings())
+        if len(relocated) == 1:  # no handler moved them: vLLM never saw them
+            raise TrajectoryError(
+                "media_in_tool_output",
+                f"{where}.output[{media_positions[0]}]",
+                "Gym cannot send media inside a tool output to the model and no media handler "
+                "relocates them (gym_video_env's relocate_tool_output_media hook)",
+            )
+        return [part for moved in relocated[1:] for part in _item_media(moved, f"{where}(relocated)")]
     role = item.get("role")
     if kind not in (None, "message") or not isinstance(role, str) or role not in _MEDIA_ROLES:
         return []  # function calls, reasoning, assistant text: no media

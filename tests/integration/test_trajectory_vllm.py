@@ -152,9 +152,12 @@ def _call(server: VLLMServer, items: list[dict[str, Any]], allowed: list[int]) -
     }
 
 
-def test_live_multi_turn_conversation_with_relocated_tool_media(
-    vllm_server: VLLMServer, tiny_qwen25vl: Path, make_video: MakeVideo, tmp_path: Path
-) -> None:
+def _live_conversation(
+    server: VLLMServer, tiny_qwen25vl: Path, make_video: MakeVideo, tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Path]]:
+    """A prompt clip, a tool output with a video and an image (relocated by the hook before the
+    next call, as the model server does), then a text-only turn: the record with the relocated
+    items, the raw tool output the tool returned, and the media files."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
@@ -174,7 +177,7 @@ def test_live_multi_turn_conversation_with_relocated_tool_media(
             ],
         },
     ]
-    output = [_call(vllm_server, prompt, allowed)]
+    output = [_call(server, prompt, allowed)]
     tool_output = {
         "type": "function_call_output",
         "call_id": "call_1",
@@ -188,11 +191,19 @@ def test_live_multi_turn_conversation_with_relocated_tool_media(
     relocated = get_plugin_manager().hook.relocate_tool_output_media(item=tool_output, settings=settings)
     assert [item.get("role") for item in relocated] == [None, "user"]
     output += relocated
-    output.append(_call(vllm_server, prompt + output, allowed))
+    output.append(_call(server, prompt + output, allowed))
     output.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Final?"}]})
-    output.append(_call(vllm_server, prompt + output, allowed))
+    output.append(_call(server, prompt + output, allowed))
     record = {"responses_create_params": {"input": prompt}, "response": {"output": output}}
+    return record, tool_output, {"prompt": prompt_clip, "tool": tool_clip, "image": image}
 
+
+def test_live_multi_turn_conversation_with_relocated_tool_media(
+    vllm_server: VLLMServer, tiny_qwen25vl: Path, make_video: MakeVideo, tmp_path: Path
+) -> None:
+    record, _, files = _live_conversation(vllm_server, tiny_qwen25vl, make_video, tmp_path)
+    prompt_clip, tool_clip, image = files["prompt"], files["tool"], files["image"]
+    settings = MediaSettings(media_root=tmp_path)
     builder = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache())
     rollout = builder.build(record)
     assert rollout.mask_reason is None, rollout.mask_detail
@@ -215,3 +226,40 @@ def test_live_multi_turn_conversation_with_relocated_tool_media(
     masked = builder.build(corrupted)
     assert masked.mask_reason == "placeholder_mismatch" and masked.loss_weight == 0.0
     assert builder.metrics.as_dict()["media/masked/placeholder_mismatch"] == 1
+
+
+def test_a_tool_output_recorded_with_its_video_trains_as_the_model_server_prompted_it(
+    vllm_server: VLLMServer,
+    tiny_qwen25vl: Path,
+    make_video: MakeVideo,
+    tmp_path: Path,
+    megatron_runtime: None,
+) -> None:
+    """Gym's stock agents record a tool's output as the tool returned it, media inside the
+    ``function_call_output``; the model server moved them into the next user message before
+    prompting vLLM. The trainer applies the same relocation: the placeholder check passes, every
+    turn gets the media vLLM saw, and a Megatron step trains on it."""
+    from rl_bridge.grpo import GRPOLossConfig
+    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+
+    relocated_record, tool_output, files = _live_conversation(vllm_server, tiny_qwen25vl, make_video, tmp_path)
+    output = relocated_record["response"]["output"]
+    assert output[1]["type"] == "function_call_output" and output[2]["role"] == "user"
+    stock_record = copy.deepcopy(relocated_record)
+    stock_record["response"]["output"] = [output[0], tool_output, *output[3:]]
+    settings = MediaSettings(media_root=tmp_path)
+    builder = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache())
+    stock, relocated = builder.build(stock_record), builder.build(relocated_record)
+
+    assert stock.mask_reason is None, stock.mask_detail
+    assert stock.trajectory is not None and relocated.trajectory is not None
+    media = [[(p.kind, p.ref.value) for p in turn.media] for turn in stock.trajectory.turns]
+    assert media == [[(p.kind, p.ref.value) for p in turn.media] for turn in relocated.trajectory.turns]
+    assert media[1] == [("video", str(files["tool"])), ("image", str(files["image"]))]
+    metrics = builder.metrics.as_dict()
+    assert metrics["media/placeholder_turns_checked"] == 6 and metrics["media/placeholder_pass_rate"] == 1.0
+    assert [s.token_ids.tolist() for s in stock.sequences] == [s.token_ids.tolist() for s in relocated.sequences]
+
+    policy = MegatronPolicy(tiny_qwen25vl, PolicyConfig(learning_rate=1e-3, micro_batch_size=1))
+    step = policy.train_step(stock.to_policy_samples(1.0), GRPOPolicyLoss(GRPOLossConfig()))
+    assert step.grad_norm is not None and step.grad_norm > 0 and step.num_samples == len(stock.sequences)

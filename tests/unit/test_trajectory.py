@@ -251,11 +251,6 @@ VIDEO = {"type": "input_video", "video_url": "file:///m/a.mp4"}
         ([_turn([], [3])], "malformed", "output[0].prompt_token_ids"),
         ([_turn([1, 2], [3]), _turn([1], [4])], "not_prefix_continuation", "output[1].prompt_token_ids"),
         (
-            [{"type": "function_call_output", "call_id": "c", "output": [VIDEO]}, _turn([1], [2])],
-            "media_in_tool_output",
-            "output[0].output[0]",
-        ),
-        (
             [_user([{"type": "input_audio", "input_audio": {}}]), _turn([1], [2])],
             "unsupported_content",
             "output[0].content[0]",
@@ -281,6 +276,23 @@ def test_violations_raise_typed_errors(output: Any, reason: str, location: str) 
     assert raised.value.reason == reason
     assert raised.value.location == location
     assert location in str(raised.value) and reason in str(raised.value)
+
+
+def test_media_in_a_tool_output_count_where_the_model_server_relocated_them() -> None:
+    """A stock agent records the tool output as the tool returned it; the model server moved its
+    media into a user message right after it before prompting vLLM. The trainer applies the same
+    relocation: the turn after the tool output gets the media, in order, as with the relocated items."""
+    second = {"type": "input_video", "video_url": "file:///m/b.mp4"}
+    call = {"type": "function_call", "call_id": "c", "name": "watch", "arguments": "{}"}
+    raw = {"type": "function_call_output", "call_id": "c", "output": [TEXT, VIDEO, second]}
+    recorded = parse_trajectory([_turn([1], [2]), call, raw, _turn([1, 2, 3], [4])], prompt="p")
+    relocated_items = [
+        {"type": "function_call_output", "call_id": "c", "output": [TEXT]},
+        _user([VIDEO, second]),
+    ]
+    relocated = parse_trajectory([_turn([1], [2]), call, *relocated_items, _turn([1, 2, 3], [4])], prompt="p")
+    assert [[p.ref.value for p in t.media] for t in recorded.turns] == [[], ["/m/a.mp4", "/m/b.mp4"]]
+    assert [[p.ref.value for p in t.media] for t in relocated.turns] == [[], ["/m/a.mp4", "/m/b.mp4"]]
 
 
 def test_media_after_the_last_turn_and_in_later_tool_outputs_are_ignored() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+import torch
 from PIL import Image
 
 from gym_video_env import MediaSettings, get_plugin_manager
@@ -79,6 +80,13 @@ def test_recorded_trajectory_turns_get_their_clips_and_pass_the_check(
         t for item in output if item.get("generation_token_ids") for t in item["generation_token_ids"]
     ]
     assert [t for s in rollout.sequences for t in s.token_ids[s.target_mask].tolist()] == generated
+
+
+def _processed_clip(tiny_qwen25vl: Path, path: Path) -> torch.Tensor:
+    """A clip's pixel tensor as the trainer processes it, decoded and processed on its own."""
+    processor = load_processor(tiny_qwen25vl)
+    frames = DecodeCache().get_or_decode(path.read_bytes(), processor.contract)
+    return processor.process_video(frames.data, frames.sample).tensors["pixel_values_videos"]
 
 
 def test_recorded_trajectory_with_a_clip_removed_is_masked_not_raised(
@@ -263,3 +271,49 @@ def test_a_tool_output_recorded_with_its_video_trains_as_the_model_server_prompt
     policy = MegatronPolicy(tiny_qwen25vl, PolicyConfig(learning_rate=1e-3, micro_batch_size=1))
     step = policy.train_step(stock.to_policy_samples(1.0), GRPOPolicyLoss(GRPOLossConfig()))
     assert step.grad_norm is not None and step.grad_norm > 0 and step.num_samples == len(stock.sequences)
+
+
+def test_each_turn_gets_the_content_of_its_own_clip_not_just_its_shape(
+    vllm_server: VLLMServer, tiny_qwen25vl: Path, make_video: MakeVideo, tmp_path: Path
+) -> None:
+    """Two clips of one shape, one in the prompt and one returned by a tool for the second turn: the
+    placeholder check cannot tell them apart, so compare content. The policy tensors hold the
+    prompt clip's pixels then the tool clip's, each equal to that file processed on its own; with
+    the two swapped in the recorded trajectory the check still passes, and this test sees the swap."""
+    from gym_video_env.synthetic import indexed_frames
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
+    allowed = [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]
+    frames = indexed_frames(12, width=84, height=56)
+    paths = [make_video(name="first", frames=frames), make_video(name="second", frames=frames[::-1])]
+    clips = [_processed_clip(tiny_qwen25vl, path) for path in paths]
+    assert clips[0].shape == clips[1].shape and not torch.equal(clips[0], clips[1])
+
+    def video(path: Path) -> dict[str, Any]:
+        return {"type": "input_video", "video_url": path.as_uri()}
+
+    prompt = [{"type": "message", "role": "user", "content": [video(paths[0]), {"type": "input_text", "text": "?"}]}]
+    output = [_call(vllm_server, prompt, allowed)]
+    output += [
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "more"}]},
+        {"type": "message", "role": "user", "content": [video(paths[1])]},
+    ]
+    output.append(_call(vllm_server, prompt + output, allowed))
+    record = {"responses_create_params": {"input": prompt}, "response": {"output": output}}
+    swapped = copy.deepcopy(record)
+    swapped["responses_create_params"]["input"][0]["content"][0] = video(paths[1])
+    swapped["response"]["output"][2]["content"] = [video(paths[0])]
+
+    for trajectory, order in ((record, [0, 1]), (swapped, [1, 0])):
+        builder = PolicyInputBuilder(
+            load_processor(tiny_qwen25vl), MediaSettings(media_root=tmp_path), decode_cache=DecodeCache()
+        )
+        rollout = builder.build(trajectory)
+        assert rollout.mask_reason is None, rollout.mask_detail  # counts agree either way
+        (sample,) = rollout.to_policy_samples(1.0)
+        pixels = [m.tensors["pixel_values_videos"] for m in sample.media]
+        assert len(pixels) == 2
+        for tensor, clip_index in zip(pixels, order, strict=True):
+            assert torch.equal(tensor, clips[clip_index]) and not torch.equal(tensor, clips[1 - clip_index])

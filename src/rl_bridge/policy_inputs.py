@@ -47,9 +47,12 @@ from rl_bridge.trajectory import (
 from vllm_video_plugin.cache import DecodeCache
 from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
 
-__all__ = ["MaskReason", "PolicyInputBuilder", "RolloutInputs", "SequenceInputs"]
+__all__ = ["MaskReason", "PolicyInputBuilder", "RolloutInputs", "SequenceInputs", "TrainedTurns"]
 
 MaskReason = TrajectoryErrorReason | MediaLoadReason | Literal["placeholder_mismatch"]
+
+TrainedTurns = Literal["all", "last"]
+"""Which model turns of a trajectory are trained (see :class:`PolicyInputBuilder`)."""
 """Why a sample is masked: a trajectory violation, media that cannot be processed, or a turn whose
 placeholder tokens disagree with its media."""
 
@@ -104,8 +107,9 @@ class RolloutInputs:
         return tuple(item for sequence in self.sequences for item in sequence.media)
 
     def to_policy_samples(self, advantage: float) -> list[PolicySample]:
-        """One :class:`~rl_bridge.megatron.batch.PolicySample` per sequence, media referenced; none
-        for a masked rollout (it has no aligned media to run the forward with, and weight 0).
+        """One :class:`~rl_bridge.megatron.batch.PolicySample` per sequence with a trained token,
+        media referenced; none for a masked rollout (it has no aligned media to run the forward
+        with, and weight 0).
 
         Args:
             advantage: the rollout's advantage, given to each of its sequences.
@@ -119,6 +123,7 @@ class RolloutInputs:
                 media=sequence.media,
             )
             for sequence in self.sequences
+            if bool(sequence.target_mask.any())
         ]
 
 
@@ -136,6 +141,7 @@ class PolicyInputBuilder:
         *,
         decode_cache: DecodeCache | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
+        trained_turns: TrainedTurns = "all",
     ) -> None:
         """
         Args:
@@ -145,7 +151,12 @@ class PolicyInputBuilder:
             limits: resource bounds per media item (bytes, frame pixels, frame count, decode
                 time); media over them mask their sample (``media_unavailable`` for bytes,
                 ``media_undecodable`` for the rest).
+            trained_turns: which model turns' generated tokens are training targets: ``"all"``
+                (every turn carries the trajectory's advantage) or ``"last"`` (only the final
+                turn's: the earlier ones stay in the sequence as context). Every turn's media pass
+                the placeholder check either way.
         """
+        self.trained_turns = trained_turns
         self.processor = processor
         self.store = MediaStore(processor, settings, decode_cache=decode_cache, limits=limits)
         self.metrics = MediaMetrics()
@@ -190,7 +201,12 @@ class PolicyInputBuilder:
             turn, problem = problems[0]
             detail = f"turn {turn.index} (output[{turn.item_index}]): {problem}"
             return self._count(_masked("placeholder_mismatch", detail, trajectory))
-        sequences = tuple(_sequence_inputs(turns, processed) for turns in trajectory.sequences)
+        trained = (
+            {turn.index for turn in trajectory.turns}
+            if self.trained_turns == "all"
+            else {trajectory.turns[-1].index}
+        )
+        sequences = tuple(_sequence_inputs(turns, processed, trained) for turns in trajectory.sequences)
         return self._count(RolloutInputs(sequences=sequences, trajectory=trajectory))
 
     def _count(self, inputs: RolloutInputs) -> RolloutInputs:
@@ -198,12 +214,14 @@ class PolicyInputBuilder:
         return inputs
 
 
-def _sequence_inputs(turns: Sequence[Turn], processed: Mapping[int, list[ProcessedMedia]]) -> SequenceInputs:
+def _sequence_inputs(
+    turns: Sequence[Turn], processed: Mapping[int, list[ProcessedMedia]], trained: set[int]
+) -> SequenceInputs:
     token_ids = torch.tensor([t for turn in turns for t in (*turn.new_prompt_ids, *turn.generation_ids)])
     target_mask = torch.zeros(len(token_ids), dtype=torch.bool)
     behaviour = torch.zeros(len(token_ids), dtype=torch.float32)
     for turn in turns:
-        target_mask[turn.generation_start : turn.end] = True
+        target_mask[turn.generation_start : turn.end] = turn.index in trained
         behaviour[turn.generation_start : turn.end] = torch.tensor(turn.generation_logprobs)
     media = tuple(item for turn in turns for item in processed[turn.index])
     return SequenceInputs(

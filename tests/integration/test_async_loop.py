@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from tests.fixtures.bad_inputs import FaultRecorder
+from tests.fixtures.training import train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -198,25 +199,14 @@ LEARNING_MARGIN = 0.3
 def recipe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     from rl_bridge.paths import project_root
 
-    root = tmp_path_factory.mktemp("async-recipe")
-    run_dir = root / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "rl_bridge.cli",
-        "train",
+    trained = train_cli(
+        tmp_path_factory.mktemp("async-recipe"),
         "-r",
         str(project_root() / "recipes" / "tiny_cpu_async.yaml"),
-        f"run_dir={run_dir}",
         f"train.steps={RECIPE_STEPS}",
         "async.checkpoint_every=3",
-    ]
-    with (root / "train.log").open("wb") as log:
-        done = subprocess.run(
-            command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT, timeout=1800
-        )
-    assert done.returncode == 0, (root / "train.log").read_text(errors="replace")[-5000:]
-    return json.loads((run_dir / "summary.json").read_text()), _records(run_dir / "metrics.jsonl")
+    )
+    return trained.summary, trained.history
 
 
 def test_the_async_recipe_learns(recipe_run: tuple[dict, list[dict]]) -> None:

@@ -12,13 +12,11 @@ weights and that its logprobs match the trainer's on all turns.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from rl_bridge.paths import project_root
+from tests.fixtures.training import train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,18 +26,12 @@ ROWS = PROMPTS * GROUP
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
-    root = tmp_path_factory.mktemp("multiturn")
-    run_dir = root / "run"
     # The header's command (video-grpo train -r recipes/tiny_cpu_multiturn.yaml train.steps=3) with a
     # smaller batch and data.
-    command = [
-        sys.executable,
-        "-m",
-        "rl_bridge.cli",
-        "train",
+    trained = train_cli(
+        tmp_path_factory.mktemp("multiturn"),
         "-r",
         str(project_root() / "recipes" / "tiny_cpu_multiturn.yaml"),
-        f"run_dir={run_dir}",
         f"train.steps={STEPS}",
         f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.group_size={GROUP}",
@@ -48,16 +40,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
         "task.val_rows=4",
         "validation.every=0",
         "train.checkpoint_at_end=false",
-    ]
-    with (root / "train.log").open("wb") as log:
-        done = subprocess.run(
-            command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT, timeout=1800
-        )
-    assert done.returncode == 0, (root / "train.log").read_text(errors="replace")[-5000:]
-    assert json.loads((run_dir / "recipe.json").read_text())["task"]["environment"] == "segments"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, [r for r in history if "rollout/rows" in r]
+    )
+    assert json.loads((trained.run_dir / "recipe.json").read_text())["task"]["environment"] == "segments"
+    return trained.summary, trained.steps
 
 
 def test_every_turn_of_every_sample_passes_the_placeholder_check(run: tuple[dict, list[dict]]) -> None:

@@ -10,14 +10,12 @@ separate ``pi_old`` pass (one optimizer step per rollout batch), and what the ru
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rl_bridge.loop.config import load_recipe
+from tests.fixtures.training import train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,25 +31,8 @@ LEARNING_MARGIN = 0.3
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], Path]:
-    root = tmp_path_factory.mktemp("sync")
-    run_dir = root / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "rl_bridge.cli",
-        "train",
-        f"run_dir={run_dir}",
-        f"train.steps={STEPS}",
-        "validation.every=3",
-    ]
-    with (root / "train.log").open("wb") as log:
-        done = subprocess.run(
-            command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT, timeout=1800
-        )
-    assert done.returncode == 0, (root / "train.log").read_text()[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, history, run_dir
+    trained = train_cli(tmp_path_factory.mktemp("sync"), f"train.steps={STEPS}", "validation.every=3")
+    return trained.summary, trained.history, trained.run_dir
 
 
 def test_the_default_run_learns(run: tuple[dict, list[dict], Path]) -> None:

@@ -89,6 +89,29 @@ def _processed_clip(tiny_qwen25vl: Path, path: Path) -> torch.Tensor:
     return processor.process_video(frames.data, frames.sample).tensors["pixel_values_videos"]
 
 
+def test_training_only_the_last_turn_keeps_every_turn_checked_and_as_context(
+    recorded: tuple[dict[str, Any], Path], tiny_qwen25vl: Path
+) -> None:
+    result, root = recorded
+    settings = MediaSettings(media_root=root)
+    every = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache()).build(result)
+    builder = PolicyInputBuilder(
+        load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache(), trained_turns="last"
+    )
+    last = builder.build(result)
+    assert last.mask_reason is None and last.trajectory is not None
+    assert builder.metrics.as_dict()["media/placeholder_turns_checked"] == 3
+    final = last.trajectory.turns[-1]
+    # The first sequence (the first call alone) has no trained token left: no sample for it.
+    (sample,) = last.to_policy_samples(1.0)
+    assert sample.num_target_tokens == len(final.generation_ids)
+    assert bool(sample.target_mask[final.generation_start : final.end].all())
+    # Same tokens and media as with every turn trained; only the targets differ.
+    full = every.to_policy_samples(1.0)[-1]
+    assert torch.equal(sample.input_ids, full.input_ids) and len(sample.media) == len(full.media) == 2
+    assert full.num_target_tokens > sample.num_target_tokens
+
+
 def test_recorded_trajectory_with_a_clip_removed_is_masked_not_raised(
     recorded: tuple[dict[str, Any], Path], tiny_qwen25vl: Path
 ) -> None:

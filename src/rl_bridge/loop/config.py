@@ -303,6 +303,13 @@ class TrainSection(_Section):
     rounds were made (then it trains on the groups it has). Counted in ``dynamic/*``. A departure
     from GRPO, off by default; ``mode: sync`` only."""
     dynamic_sampling_max_rounds: PositiveInt = 4
+    trained_turns: Literal["all", "last"] = "all"
+    """Which model turns of a multi-turn trajectory carry its advantage: ``"all"`` (every
+    generated token, the standard multi-turn GRPO) or ``"last"`` (only the final turn's; earlier
+    turns stay in the sequence as context). ``"last"`` suits environments that ignore the earlier
+    turns' output (``segments`` pushes the next clip whatever the model said), whose tokens would
+    otherwise get the final answer's credit; a departure, off by default. Counted in
+    ``preprocess/trained_turns_per_sample``."""
     """Most rollout rounds of ``rollout.prompts_per_step`` prompts per step with ``dynamic_sampling``."""
     loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     checkpoint_at_end: bool = True

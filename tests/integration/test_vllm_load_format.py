@@ -1,8 +1,9 @@
 """``--load-format video_grpo``: the contract is checked against the checkpoint's vision geometry.
 
 A contract that contradicts the tiny Qwen2.5-VL stops the real server at start-up with a message
-naming both values; a matching one serves video. The geometry readers are also checked in process
-against the tiny checkpoints.
+naming both values; a matching one serves video (the session's shared ``vllm_plugin_qwen25vl``,
+started with the matching contract, which the loader and refit tests use too). The geometry readers
+are also checked in process against the tiny checkpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 import requests
 
 from rl_bridge.services.process import ServiceError
-from rl_bridge.services.vllm_server import VLLMServerConfig, start_vllm_server
+from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from tests.fixtures.vllm import QWEN25VL_CONTRACT
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.geometry import (
     CONTRACT_CONFIG_KEY,
@@ -29,7 +31,8 @@ from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # The tiny Qwen2.5-VL: patch 14, merge 2, temporal 2, video pixels 3136..12544.
-MATCHING = VideoSamplingContract(
+MATCHING = QWEN25VL_CONTRACT
+assert MATCHING == VideoSamplingContract(
     style="qwen2_vl",
     patch_size=14,
     spatial_merge_size=2,
@@ -98,24 +101,29 @@ def test_contradicting_contract_stops_the_server_at_start_up(
     assert "contract patch_size=16, checkpoint vision_config.patch_size=14" in log, log[-4000:]
 
 
-def test_matching_contract_serves(tiny_qwen25vl: Path, sample_video: Path, tmp_path: Path) -> None:
-    config = config_for(tiny_qwen25vl, sample_video.parent, MATCHING)
-    with start_vllm_server(config, log_dir=tmp_path) as server:
-        body = {
-            "model": server.model_name,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "video_url", "video_url": {"url": sample_video.as_uri()}},
-                        {"type": "text", "text": "What color is the clip?"},
-                    ],
-                }
-            ],
-            "max_tokens": 2,
-        }
-        response = requests.post(f"{server.openai_url}/chat/completions", json=body, timeout=300)
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["prompt_tokens"] > 0
-        log = server.log_path.read_text(errors="replace")
+def test_matching_contract_serves(
+    vllm_plugin_qwen25vl: VLLMServer, tiny_qwen25vl: Path, sample_video: Path
+) -> None:
+    server = vllm_plugin_qwen25vl  # the session's server started with --load-format video_grpo
+    assert server.config.load_format == MODEL_LOADER_NAME
+    args = server.config.extra_args
+    expected = config_for(tiny_qwen25vl, sample_video.parent, MATCHING).extra_args
+    assert json.loads(args[args.index("--model-loader-extra-config") + 1]) == json.loads(expected[1])
+    body = {
+        "model": server.model_name,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": sample_video.as_uri()}},
+                    {"type": "text", "text": "What color is the clip?"},
+                ],
+            }
+        ],
+        "max_tokens": 2,
+    }
+    response = requests.post(f"{server.openai_url}/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 0
+    log = server.log_path.read_text(errors="replace")
     assert f"video sampling contract matches the vision geometry of {tiny_qwen25vl}" in log

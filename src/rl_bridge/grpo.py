@@ -525,17 +525,15 @@ def grpo_loss(
     for name, tensor in (("old_logprobs", old_logprobs), ("behaviour_logprobs", behaviour_logprobs)):
         if tensor is not None:
             _check_shape(name, tensor, logprobs.shape)
+    pi_old = old_logprobs.detach() if old_logprobs is not None else logprobs.detach()
+    proximal = pi_old
     if config.proximal_policy == "behaviour":
         if behaviour_logprobs is None:
             raise ValueError(
                 "proximal_policy='behaviour' takes the ratio against vLLM's logprobs: "
                 "behaviour_logprobs are required"
             )
-        pi_old = old_logprobs.detach() if old_logprobs is not None else logprobs.detach()
         proximal = behaviour_logprobs.detach()
-    else:
-        pi_old = old_logprobs.detach() if old_logprobs is not None else logprobs.detach()
-        proximal = pi_old
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={config.kl_coef} > 0 needs ref_logprobs; got None")

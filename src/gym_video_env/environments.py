@@ -6,7 +6,9 @@ Two environments, each a Gym resources server shipped with this package:
   (:func:`video_mcqa_rows`); the verifier grades the ``\\boxed{X}`` letter of the final answer.
 - ``video_segments``: a video split into segments that the prompt does not show. The model calls
   the tool ``watch_segment`` and the environment returns that segment's clip; the question needs
-  every segment (:func:`video_segments_rows`). Graded like ``video_mcqa``.
+  every segment (:func:`video_segments_rows`), or names one of them
+  (:func:`video_segment_question_rows`: the model must choose which segment to watch, and when to
+  stop watching). Graded like ``video_mcqa``.
 
 Rows are Gym dataset rows: ``responses_create_params`` (the request) plus the verifier's fields.
 Clips are written under the media root and referenced by their path relative to it, as a
@@ -27,6 +29,8 @@ import numpy as np
 
 from gym_video_env.grading import BOXED_INSTRUCTION
 from gym_video_env.synthetic import SATURATED_COLOURS, TASKS, ClipConfig, TaskName, make_task_clip
+from gym_video_env.synthetic.frames import solid_frame
+from gym_video_env.synthetic.writer import write_video
 
 __all__ = [
     "WATCH_SEGMENT_TOOL_NAME",
@@ -34,6 +38,7 @@ __all__ = [
     "read_rows_jsonl",
     "segment_tool_output",
     "video_mcqa_rows",
+    "video_segment_question_rows",
     "video_segments_rows",
     "watch_segment_tool",
     "write_rows_jsonl",
@@ -43,6 +48,7 @@ WATCH_SEGMENT_TOOL_NAME: Final = "watch_segment"
 _LETTERS: Final = "ABCDEFGH"
 # Mixed into the seed so that segment questions do not reuse the clips of video_mcqa rows.
 _SEGMENTS_STREAM: Final = 101
+_SEGMENT_QUESTION_STREAM: Final = 102
 
 
 def mcqa_row(
@@ -107,16 +113,10 @@ def watch_segment_tool(num_segments: int) -> dict[str, Any]:
     return {
         "type": "function",
         "name": WATCH_SEGMENT_TOOL_NAME,
-        "description": "Watch one segment of the video. Its clip is shown to you after this call.",
+        "description": "Show one segment of the video; its clip comes in the next turn.",
         "parameters": {
             "type": "object",
-            "properties": {
-                "segment": {
-                    "type": "integer",
-                    "enum": list(range(1, num_segments + 1)),
-                    "description": f"Segment number, 1 to {num_segments}.",
-                }
-            },
+            "properties": {"segment": {"type": "integer", "enum": list(range(1, num_segments + 1))}},
             "required": ["segment"],
             "additionalProperties": False,
         },
@@ -132,6 +132,8 @@ def video_segments_rows(
     num_segments: int = 2,
     num_options: int = 4,
     config: ClipConfig | None = None,
+    canonical_options: bool = False,
+    whole_clips: bool = False,
     subdir: str = "video_segments",
 ) -> list[dict[str, Any]]:
     """Write ``n * num_segments`` clips under ``media_root/subdir`` and return ``n`` rows.
@@ -141,6 +143,11 @@ def video_segments_rows(
     ``responses_create_params`` (whose prompt has no video and whose tools hold
     :func:`watch_segment_tool`): ``task_id``, ``segments`` (clip paths relative to the media root,
     in segment order), ``options`` and ``answer``.
+
+    ``canonical_options``: the option texts sorted (a letter then means the same sequence in every
+    row that offers it) instead of shuffled; ``whole_clips``: only clips that show their colour in
+    every frame (the others are skipped), instead of also clips that show it in the last frame or
+    two only.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1 row, got {n}")
@@ -153,14 +160,23 @@ def video_segments_rows(
         )
     out_dir = Path(media_root) / subdir
     rows = []
+    index = 0
     for row in range(n):
-        records = [
-            make_task_clip("colour", out_dir, seed=seed, index=row * num_segments + k, config=config)
-            for k in range(num_segments)
-        ]
+        records = []
+        while len(records) < num_segments:
+            record = make_task_clip("colour", out_dir, seed=seed, index=index, config=config)
+            index += 1
+            if whole_clips and record.metadata["tail_only"]:
+                (out_dir / record.video).unlink()
+                continue
+            records.append(record)
         colours = [record.metadata["colour"] for record in records]
         rng = np.random.default_rng([seed, row, _SEGMENTS_STREAM])
         options, correct = _sequence_options(rng, colours, num_options)
+        if canonical_options:
+            answer_text = options[correct]
+            options = sorted(options)
+            correct = options.index(answer_text)
         letters = _LETTERS[: len(options)]
         question = (
             f"A video is split into {num_segments} segments, which you have not seen. Call "
@@ -185,6 +201,96 @@ def video_segments_rows(
                 "segments": [f"{subdir}/{record.video}" for record in records],
                 "options": dict(zip(letters, options, strict=True)),
                 "answer": letters[correct],
+            }
+        )
+    return rows
+
+
+def video_segment_question_rows(
+    media_root: str | os.PathLike[str],
+    n: int,
+    *,
+    seed: int,
+    num_segments: int = 3,
+    num_options: int = 6,
+    config: ClipConfig | None = None,
+    instruction: str = BOXED_INSTRUCTION,
+    shown_fraction: float = 0.0,
+    subdir: str = "video_segment_question",
+) -> list[dict[str, Any]]:
+    """``n`` rows whose question names one segment of a video the prompt does not show.
+
+    Each row's video has ``num_segments`` segments of distinct colours, each segment one clip that
+    shows its colour in every frame (one clip per colour, written once under ``media_root/subdir``).
+    The question asks the colour of segment ``k``; answering needs a ``watch_segment(k)`` call (any
+    other segment shows another colour), and nothing in the prompt tells the colour. The options
+    are colours sorted by name, so a letter always names the same colour; they hold the answer and
+    the other segments' colours. Fields besides ``responses_create_params`` (tools:
+    :func:`watch_segment_tool`; ``tool_choice: "auto"``): ``task_id``, ``segments`` (clip paths
+    relative to the media root, in segment order), ``named_segment`` (``k``, 1-based),
+    ``shown_segment``, ``options`` and ``answer``.
+
+    With ``shown_fraction`` > 0, about that fraction of the rows (chosen with ``seed``) show the
+    named segment's clip in the prompt (``shown_segment: k``; ``None`` in the others): questions
+    answerable without a call, on which a call only costs. Mixed into training rows they are
+    perception data: a model that cannot yet read a clip learns to, while the other rows teach it
+    to ask for the clip it needs.
+
+    Raises:
+        ValueError: ``n < 1``, fewer than 2 segments, more segments than colours,
+            ``num_options`` outside ``[num_segments, number of colours]``, or ``shown_fraction``
+            outside ``[0, 1]``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1 row, got {n}")
+    if not 2 <= num_segments <= len(SATURATED_COLOURS):
+        raise ValueError(f"num_segments must be between 2 and {len(SATURATED_COLOURS)}, got {num_segments}")
+    if not num_segments <= num_options <= min(len(SATURATED_COLOURS), len(_LETTERS)):
+        raise ValueError(
+            f"num_options must be between num_segments={num_segments} and {len(SATURATED_COLOURS)}, "
+            f"got {num_options}"
+        )
+    if not 0.0 <= shown_fraction <= 1.0:
+        raise ValueError(f"shown_fraction must be in [0, 1], got {shown_fraction}")
+    config = config or ClipConfig()
+    out_dir = Path(media_root) / subdir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clips: dict[str, str] = {}
+    for colour in SATURATED_COLOURS:
+        frames = [solid_frame(colour, width=config.width, height=config.height)] * config.num_frames
+        written = write_video(
+            out_dir / f"{colour}{config.suffix}", frames, fps=config.fps, codec=config.codec
+        )
+        clips[colour] = f"{subdir}/{written.path.name}"
+    rows = []
+    for row in range(n):
+        rng = np.random.default_rng([seed, row, _SEGMENT_QUESTION_STREAM])
+        colours = [SATURATED_COLOURS[i] for i in rng.choice(len(SATURATED_COLOURS), num_segments, replace=False)]
+        named = int(rng.integers(num_segments)) + 1
+        others = [c for c in SATURATED_COLOURS if c not in colours]
+        extra = [others[i] for i in rng.choice(len(others), num_options - num_segments, replace=False)]
+        shown = bool(rng.random() < shown_fraction)
+        texts = sorted({*colours, *extra})
+        letters = _LETTERS[: len(texts)]
+        options = dict(zip(letters, texts, strict=True))
+        where = f"segment {named} is shown here" if shown else "not shown here"
+        question = f"Video of {num_segments} segments, {where}. Which colour fills segment {named}?"
+        prompt = "\n".join([question, *(f"{letter}. {text}" for letter, text in options.items())])
+        content: list[dict[str, Any]] = [{"type": "input_video", "video_url": clips[colours[named - 1]]}] if shown else []
+        content.append({"type": "input_text", "text": f"{prompt}\n{instruction}"})
+        rows.append(
+            {
+                "responses_create_params": {
+                    "input": [{"role": "user", "content": content}],
+                    "tools": [watch_segment_tool(num_segments)],
+                    "tool_choice": "auto",
+                },
+                "task_id": f"segment-question-s{seed}-{row:05d}",
+                "segments": [clips[colour] for colour in colours],
+                "named_segment": named,
+                "shown_segment": named if shown else None,
+                "options": options,
+                "answer": next(letter for letter, text in options.items() if text == colours[named - 1]),
             }
         )
     return rows

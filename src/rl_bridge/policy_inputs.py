@@ -36,6 +36,7 @@ from rl_bridge.media_batch import (
 )
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.processors import MediaProcessor, ProcessedMedia
+from rl_bridge.structured_outputs import ConstraintError, GrammarMasks
 from rl_bridge.trajectory import (
     Trajectory,
     TrajectoryError,
@@ -49,12 +50,13 @@ from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
 
 __all__ = ["MaskReason", "PolicyInputBuilder", "RolloutInputs", "SequenceInputs", "TrainedTurns"]
 
-MaskReason = TrajectoryErrorReason | MediaLoadReason | Literal["placeholder_mismatch"]
+MaskReason = TrajectoryErrorReason | MediaLoadReason | Literal["placeholder_mismatch", "constraint_mismatch"]
 
 TrainedTurns = Literal["all", "last"]
 """Which model turns of a trajectory are trained (see :class:`PolicyInputBuilder`)."""
-"""Why a sample is masked: a trajectory violation, media that cannot be processed, or a turn whose
-placeholder tokens disagree with its media."""
+"""Why a sample is masked: a trajectory violation, media that cannot be processed, a turn whose
+placeholder tokens disagree with its media, or a generated token the replayed structured-outputs
+grammar does not allow (the trainer's grammar is not the one vLLM decoded with)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +75,9 @@ class SequenceInputs:
     """``[T]`` float32: vLLM's logprob of each generated token, 0 elsewhere."""
     media: tuple[ProcessedMedia, ...]
     """The media of the sequence's placeholders, in order (shared objects)."""
+    allowed_tokens: torch.Tensor | None = None
+    """``[targets, words]`` int32 packed masks of the target tokens (position order) under the
+    structured-outputs grammar vLLM decoded with; ``None`` without one."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,6 +126,7 @@ class RolloutInputs:
                 advantage=advantage,
                 behaviour_logprobs=sequence.behaviour_logprobs,
                 media=sequence.media,
+                allowed_tokens=sequence.allowed_tokens,
             )
             for sequence in self.sequences
             if bool(sequence.target_mask.any())
@@ -142,6 +148,7 @@ class PolicyInputBuilder:
         decode_cache: DecodeCache | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
         trained_turns: TrainedTurns = "all",
+        grammar: GrammarMasks | None = None,
     ) -> None:
         """
         Args:
@@ -155,8 +162,12 @@ class PolicyInputBuilder:
                 (every turn carries the trajectory's advantage) or ``"last"`` (only the final
                 turn's: the earlier ones stay in the sequence as context). Every turn's media pass
                 the placeholder check either way.
+            grammar: the structured-outputs grammar every generated token was decoded under
+                (:class:`~rl_bridge.structured_outputs.GrammarMasks`); each target token then
+                carries the mask vLLM applied there. ``None``: decoding was not constrained.
         """
         self.trained_turns = trained_turns
+        self.grammar = grammar
         self.processor = processor
         self.store = MediaStore(processor, settings, decode_cache=decode_cache, limits=limits)
         self.metrics = MediaMetrics()
@@ -206,7 +217,12 @@ class PolicyInputBuilder:
             if self.trained_turns == "all"
             else {trajectory.turns[-1].index}
         )
-        sequences = tuple(_sequence_inputs(turns, processed, trained) for turns in trajectory.sequences)
+        try:
+            sequences = tuple(
+                _sequence_inputs(turns, processed, trained, self.grammar) for turns in trajectory.sequences
+            )
+        except ConstraintError as error:
+            return self._count(_masked("constraint_mismatch", str(error), trajectory))
         return self._count(RolloutInputs(sequences=sequences, trajectory=trajectory))
 
     def _count(self, inputs: RolloutInputs) -> RolloutInputs:
@@ -215,7 +231,10 @@ class PolicyInputBuilder:
 
 
 def _sequence_inputs(
-    turns: Sequence[Turn], processed: Mapping[int, list[ProcessedMedia]], trained: set[int]
+    turns: Sequence[Turn],
+    processed: Mapping[int, list[ProcessedMedia]],
+    trained: set[int],
+    grammar: GrammarMasks | None,
 ) -> SequenceInputs:
     token_ids = torch.tensor([t for turn in turns for t in (*turn.new_prompt_ids, *turn.generation_ids)])
     target_mask = torch.zeros(len(token_ids), dtype=torch.bool)
@@ -224,6 +243,14 @@ def _sequence_inputs(
         target_mask[turn.generation_start : turn.end] = turn.index in trained
         behaviour[turn.generation_start : turn.end] = torch.tensor(turn.generation_logprobs)
     media = tuple(item for turn in turns for item in processed[turn.index])
+    allowed = None
+    if grammar is not None:
+        masks = [grammar.bitmasks(turn.generation_ids) for turn in turns if turn.index in trained]
+        allowed = torch.cat(masks) if masks else torch.empty(0, grammar.words, dtype=torch.int32)
     return SequenceInputs(
-        token_ids=token_ids.long(), target_mask=target_mask, behaviour_logprobs=behaviour, media=media
+        token_ids=token_ids.long(),
+        target_mask=target_mask,
+        behaviour_logprobs=behaviour,
+        media=media,
+        allowed_tokens=allowed,
     )

@@ -3,6 +3,7 @@ the skipped ``pi_old`` pass, mismatch masking before the step, and DAPO's dynami
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -181,3 +182,25 @@ def test_recipe_fields_of_the_objective_are_checked() -> None:
     recipe = load_recipe(None, ["rollout.temperature=0.7"])
     config = recipe.policy_config([5, 7])
     assert config.temperature == 0.7 and config.token_support == (5, 7)
+
+
+def test_verifier_metrics_count_correct_answers_and_calls_to_the_named_segment() -> None:
+    from rl_bridge.loop.controller import verifier_metrics
+
+    def scored(index: int, **fields: Any) -> RolloutResult:
+        return RolloutResult(index, "ok", 1, result={"reward": 0.0, **fields})
+
+    results = [
+        scored(0, correct=True, tool_calls=1, named_segment_calls=1),
+        scored(1, correct=False, tool_calls=2, named_segment_calls=0),
+        scored(2, correct=True, tool_calls=0, named_segment_calls=0),
+        RolloutResult(3, "content_failed", 1, error="bad row"),  # counts as wrong, no calls
+    ]
+    assert verifier_metrics(results, "val") == {
+        "val/accuracy": 0.5,
+        "val/tool_calls_per_sample": 0.75,
+        "val/tool_call_precision": pytest.approx(1 / 3),
+    }
+    no_calls = verifier_metrics([scored(0, correct=False, tool_calls=0, named_segment_calls=0)], "rollout")
+    assert no_calls["rollout/tool_calls_per_sample"] == 0.0 and math.isnan(no_calls["rollout/tool_call_precision"])
+    assert verifier_metrics([scored(0)], "val") == {}  # a verifier whose reward is the grade

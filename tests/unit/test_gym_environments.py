@@ -11,6 +11,7 @@ from gym_video_env.environments import (
     read_rows_jsonl,
     segment_tool_output,
     video_mcqa_rows,
+    video_segment_question_rows,
     video_segments_rows,
     write_rows_jsonl,
 )
@@ -86,6 +87,51 @@ def test_video_segments_rows_answer_is_the_decoded_colour_sequence(tmp_path: Pat
     assert row["options"][row["answer"]] == ", ".join(colours)
     assert len(set(row["options"].values())) == len(row["options"]) == 4
     assert all(colour in SATURATED_COLOURS for colour in colours)
+
+
+def _clip_colour(path: Path) -> str:
+    with av.open(path) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    (colour,) = set(map(classify_colour, frames))  # whole clips: one colour in every frame
+    return colour
+
+
+def test_video_segments_rows_can_be_canonical_and_whole(tmp_path: Path) -> None:
+    rows = video_segments_rows(tmp_path, 6, seed=1, num_segments=2, canonical_options=True, whole_clips=True)
+    for row in rows:
+        assert list(row["options"].values()) == sorted(row["options"].values())
+        colours = [_clip_colour(tmp_path / segment) for segment in row["segments"]]
+        assert row["options"][row["answer"]] == ", ".join(colours)
+
+
+def test_a_segment_question_needs_the_named_segment_s_clip(tmp_path: Path) -> None:
+    rows = video_segment_question_rows(tmp_path, 24, seed=2, num_segments=3, num_options=5)
+    assert {row["named_segment"] for row in rows} == {1, 2, 3}
+    for row in rows:
+        params = row["responses_create_params"]
+        assert params["tool_choice"] == "auto" and params["tools"][0]["name"] == "watch_segment"
+        assert all(part["type"] == "input_text" for part in params["input"][0]["content"])
+        assert f"segment {row['named_segment']}?" in params["input"][0]["content"][0]["text"]
+        colours = [_clip_colour(tmp_path / segment) for segment in row["segments"]]
+        assert len(set(colours)) == 3  # any other segment answers wrong
+        assert row["options"][row["answer"]] == colours[row["named_segment"] - 1]
+        assert set(colours) <= set(row["options"].values()) and len(row["options"]) == 5
+        assert list(row["options"].values()) == sorted(row["options"].values())
+        assert row["shown_segment"] is None
+
+
+def test_a_shown_fraction_of_segment_questions_carries_the_named_clip(tmp_path: Path) -> None:
+    rows = video_segment_question_rows(tmp_path, 40, seed=4, shown_fraction=0.5)
+    shown = [row for row in rows if row["shown_segment"] is not None]
+    assert 10 <= len(shown) <= 30
+    for row in shown:
+        (video, text) = row["responses_create_params"]["input"][0]["content"]
+        assert video == {"type": "input_video", "video_url": row["segments"][row["named_segment"] - 1]}
+        assert f"segment {row['named_segment']} is shown here" in text["text"]
+    with pytest.raises(ValueError, match="shown_fraction"):
+        video_segment_question_rows(tmp_path, 1, seed=0, shown_fraction=1.5)
+    with pytest.raises(ValueError, match="num_options must be between num_segments"):
+        video_segment_question_rows(tmp_path, 1, seed=0, num_segments=3, num_options=2)
 
 
 def test_rows_are_deterministic_and_round_trip_jsonl(tmp_path: Path) -> None:

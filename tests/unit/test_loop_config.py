@@ -59,6 +59,24 @@ def test_letter_answers_need_one_output_token() -> None:
     assert load_recipe(None, ["task.answer_format=boxed", "rollout.max_output_tokens=8", "rollout.restrict_to_options=false"])
 
 
+def test_the_agentic_environment_s_settings_are_checked() -> None:
+    agentic = project_root() / "recipes" / "tiny_cpu_agentic.yaml"
+    recipe = load_recipe(agentic)
+    assert recipe.model.tool_parser == "hermes" and recipe.task.max_model_calls == 4
+    # Every segment once and the clip a shown row's prompt carries.
+    assert recipe.task.videos_per_prompt == recipe.task.num_segments + 1
+    with pytest.raises(pydantic.ValidationError, match="restrict_to_options \\(option letters only\\) forbids"):
+        load_recipe(agentic, ["rollout.restrict_to_options=true"])
+    with pytest.raises(pydantic.ValidationError, match="constrain_actions applies to"):
+        load_recipe(None, ["rollout.constrain_actions=true"])
+    with pytest.raises(pydantic.ValidationError, match="apply to task.environment='agentic' only"):
+        load_recipe(None, ["task.tool_call_cost=0.1"])
+    with pytest.raises(pydantic.ValidationError, match="num_segments >= 2"):
+        load_recipe(agentic, ["task.num_segments=1"])
+    with pytest.raises(pydantic.ValidationError, match="writes the tool calls it allows in the hermes format"):
+        load_recipe(agentic, ["model.tool_call_parser=mistral"])
+
+
 def test_group_size_of_one_is_rejected() -> None:
     with pytest.raises(pydantic.ValidationError, match="group_size"):
         load_recipe(None, ["rollout.group_size=1"])

@@ -41,6 +41,7 @@ def test_the_recipes_are_there() -> None:
     assert {
         "tiny_cpu_sync.yaml",
         "tiny_cpu_multiturn.yaml",
+        "tiny_cpu_agentic.yaml",
         "qwen2_5_vl_3b_gpu.yaml",
         "qwen2_5_vl_7b_gpu.yaml",
         "nemotron_nano_omni_gpu.yaml",

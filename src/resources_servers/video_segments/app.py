@@ -8,11 +8,15 @@ calling the tool, the agent asks ``/next_segment`` (its ``observation_route``), 
 first segment not yet seen (or nothing once all were seen), so every trajectory gets to see every
 segment: several clips per trajectory, returned by the environment in later turns.
 
-Rows (see :func:`gym_video_env.environments.video_segments_rows`) carry ``segments`` (clip
-references, relative to the media root, in segment order), ``options`` and ``answer``. The
-session seeded by ``/seed_session`` holds the row's segments; ``/verify`` grades the final
-answer as ``video_mcqa`` does (``answer_format``: the last ``\\boxed{X}``, or the whole answer as
-one letter) and reports which segments were watched.
+Rows (see :func:`gym_video_env.environments.video_segments_rows` and
+:func:`~gym_video_env.environments.video_segment_question_rows`) carry ``segments`` (clip
+references, relative to the media root, in segment order), ``options``, ``answer`` and, when the
+question names one segment, ``named_segment``. The session seeded by ``/seed_session`` holds the
+row's segments; ``/verify`` grades the final answer as ``video_mcqa`` does (``answer_format``:
+the last ``\\boxed{X}``, or the whole answer as one letter), charges ``tool_call_cost`` per
+``watch_segment`` call (``reward = correct - tool_call_cost * tool_calls``, so a policy learns to
+stop calling once it knows) and reports the segments watched, the calls made and how many of
+them asked for the named segment.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class VideoSegmentsConfig(BaseResourcesServerConfig):
 
     answer_format: AnswerFormat = "boxed"
     """``"boxed"``: the last ``\\boxed{X}``; ``"letter"``: the whole final answer is the letter."""
+    tool_call_cost: float = 0.0
+    """Subtracted from the reward per ``watch_segment`` call (valid or not)."""
 
 
 class VideoSegmentsRunRequest(BaseRunRequest):
@@ -54,6 +60,8 @@ class VideoSegmentsRunRequest(BaseRunRequest):
     """Clip references (relative to the media root, or URLs), in segment order."""
     options: dict[str, str]
     answer: str
+    named_segment: int | None = None
+    """The segment the question asks about (1-based), when it names one."""
 
 
 class VideoSegmentsVerifyRequest(VideoSegmentsRunRequest, BaseVerifyRequest):
@@ -66,6 +74,12 @@ class VideoSegmentsVerifyResponse(BaseVerifyResponse):
     extracted_answer: str | None
     watched_segments: list[int]
     """Segments shown in this session (``watch_segment`` or ``/next_segment``), in order, 1-based."""
+    correct: bool
+    """The final answer is the right option (the reward before the tool-call cost)."""
+    tool_calls: int
+    """``watch_segment`` calls in this session, valid or not."""
+    named_segment_calls: int | None
+    """Calls that asked for ``named_segment`` (``None`` when the row names no segment)."""
 
 
 class WatchSegmentRequest(BaseModel):
@@ -85,6 +99,7 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
     # Session id -> the row's segments and the segments watched so far.
     _segments: dict[str, list[str]] = PrivateAttr(default_factory=dict)
     _watched: dict[str, list[int]] = PrivateAttr(default_factory=dict)
+    _calls: dict[str, list[int]] = PrivateAttr(default_factory=dict)
 
     def setup_webserver(self):
         app = super().setup_webserver()
@@ -96,6 +111,7 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
         session_id = request.session[SESSION_ID_KEY]
         self._segments[session_id] = list(body.segments)
         self._watched[session_id] = []
+        self._calls[session_id] = []
         return BaseSeedSessionResponse()
 
     async def watch_segment(self, request: Request, body: WatchSegmentRequest) -> ToolContentOutput:
@@ -106,6 +122,7 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
             return ToolContentOutput(
                 output=[{"type": "input_text", "text": "No video in this session: it was not seeded."}]
             )
+        self._calls[session_id].append(body.segment)
         try:
             output = segment_tool_output(segments, body.segment)
         except ValueError as error:
@@ -127,16 +144,21 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
     async def verify(self, request: Request, body: VideoSegmentsVerifyRequest) -> VideoSegmentsVerifyResponse:
         session_id = request.session.get(SESSION_ID_KEY)
         watched = self._watched.pop(session_id, []) if session_id is not None else []
+        calls = self._calls.pop(session_id, []) if session_id is not None else []
         self._segments.pop(session_id, None)
         output = body.response.model_dump(mode="json")["output"]
         grade = grade_choice(
             final_assistant_text(output), body.answer, body.options, answer_format=self.config.answer_format
         )
+        named = body.named_segment
         return VideoSegmentsVerifyResponse(
             **body.model_dump(),
-            reward=grade.reward,
+            reward=grade.reward - self.config.tool_call_cost * len(calls),
             extracted_answer=grade.extracted,
             watched_segments=watched,
+            correct=grade.reward == 1.0,
+            tool_calls=len(calls),
+            named_segment_calls=None if named is None else calls.count(named),
         )
 
 

@@ -44,7 +44,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from rl_bridge.loop.config import Recipe
+from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, write_curves
 from rl_bridge.loop.report import RunReport
@@ -249,6 +249,7 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         collector.raise_if_failed()
         report.finish(step)
         final_checkpoint = _save_checkpoint(run_dir, step, controller, buffer)
+        controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
         served_version = controller.refit_client.weight_version()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
 

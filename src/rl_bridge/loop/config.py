@@ -110,6 +110,15 @@ class ModelSection(_Section):
     layer_spec: Literal["auto", "transformer_engine", "local", "local_sdpa"] = "auto"
     """The language model's layer implementation (``rl_bridge.megatron.model.LayerSpec``):
     ``transformer_engine`` requires Transformer Engine; ``auto`` uses it when installed."""
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``), started
+    when the task offers tools; ``None``: the family's (``hermes`` for Qwen2.5-VL, whose chat
+    template writes calls as ``<tool_call>{json}</tool_call>``)."""
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The tool-call parser the family's chat template needs (``tool_call_parser`` if set)."""
+        return self.tool_call_parser or _TOOL_CALL_PARSERS.get(self.family)
 
     @property
     def num_gpus(self) -> int:
@@ -187,7 +196,13 @@ class ModelSection(_Section):
         return self
 
 
-TaskEnvironment = Literal["mcqa", "segments"]
+# vLLM's tool-call parser for each family's chat template (others must set model.tool_call_parser).
+_TOOL_CALL_PARSERS: dict[str, str] = {"qwen2_5_vl": "hermes"}
+
+EXPORT_DIR = "export"
+"""Where in ``run_dir`` a finished run writes its weights as an HF checkpoint."""
+
+TaskEnvironment = Literal["mcqa", "segments", "agentic"]
 """The Gym environment of a task (:func:`rl_bridge.loop.tasks.task_rows`)."""
 
 
@@ -198,7 +213,12 @@ class TaskSection(_Section):
     """``"mcqa"``: one clip in the prompt, one answer (``video_mcqa``); ``"segments"``: a
     multi-turn environment (``video_segments`` with ``video_tools_agent``): the prompt shows no
     video, the environment returns one segment's clip after each model turn (or on a
-    ``watch_segment`` tool call), and the answer after the last segment is graded."""
+    ``watch_segment`` tool call), and the answer after the last segment is graded; ``"agentic"``:
+    the question names one of ``num_segments`` segments of a video the prompt does not show
+    (``video_segments`` rows of :func:`gym_video_env.environments.video_segment_question_rows`);
+    the model calls the tool ``watch_segment`` (a real tool call, parsed by vLLM's tool-call
+    parser) to get a segment's clip in the next turn, and answers when it chooses; each call costs
+    ``tool_call_cost``."""
     name: Literal["colour", "count", "order"] = "colour"
     """The question asked about each clip (``segments``: ``colour`` only, the colour of each segment)."""
     train_rows: PositiveInt = 256
@@ -210,13 +230,21 @@ class TaskSection(_Section):
     num_options: int = Field(6, ge=2, le=6)
     """Options per question, lettered from A."""
     num_segments: int = Field(2, ge=1, le=4)
-    """``segments`` only: clips per question, each returned in a later turn (videos per trajectory)."""
+    """``segments``: clips per question, each returned in a later turn (videos per trajectory);
+    ``agentic``: segments of the video (at least 2), of which the model may watch any."""
+    shown_segment_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """``agentic``: fraction of the training rows whose prompt already shows the named segment's
+    clip (answerable without a call, where a call only costs): perception data mixed in, so a
+    random model learns to read a clip while it learns to ask for one. Held-out rows never show it."""
+    tool_call_cost: float = Field(0.0, ge=0.0)
+    """``agentic``: subtracted from the reward per tool call, so the policy must learn which call
+    to make and when to stop calling (``val/accuracy`` counts correct answers, not reward)."""
     canonical_options: bool = True
-    """``mcqa`` only: list the options in a fixed order (the task's option pool order) instead of
+    """``mcqa`` and ``segments``: list the options in a fixed order (the task's option pool order) instead of
     shuffled, so each letter always means the same answer: the model then learns clip -> letter
     directly."""
     whole_clip_only: bool = True
-    """``mcqa`` colour task: keep only clips that show the colour in every frame (drop those that
+    """``mcqa`` and ``segments`` colour clips: keep only clips that show the colour in every frame (drop those that
     show it in the last one or two frames only, which frame sampling at the processor's fps can skip)."""
     answer_format: AnswerFormat = "letter"
     """``"letter"``: the answer is one option letter (pair with ``rollout.restrict_to_options``);
@@ -238,7 +266,14 @@ class TaskSection(_Section):
     @property
     def videos_per_prompt(self) -> int:
         """Most videos one model call is prompted with (all the clips a trajectory collects)."""
+        if self.environment == "agentic":  # each segment once, and the prompt's clip
+            return self.num_segments + (1 if self.shown_segment_fraction else 0)
         return self.num_segments if self.environment == "segments" else 1
+
+    @property
+    def max_model_calls(self) -> int:
+        """Model calls per trajectory: one per segment and the answer (``mcqa``: one)."""
+        return self.num_segments + 1 if self.environment in ("segments", "agentic") else 1
 
     @model_validator(mode="after")
     def _check(self) -> TaskSection:
@@ -247,8 +282,14 @@ class TaskSection(_Section):
                 "task.environment='segments' asks the colour of each segment: "
                 f"task.name must be 'colour', got {self.name!r}"
             )
-        if self.environment == "segments" and self.bad_row_fraction:
+        if self.environment != "mcqa" and self.bad_row_fraction:
             raise ValueError("task.bad_row_fraction applies to task.environment='mcqa' rows only")
+        if self.environment == "agentic" and self.num_segments < 2:
+            raise ValueError("task.environment='agentic' needs task.num_segments >= 2 (a choice of segment)")
+        if (self.tool_call_cost or self.shown_segment_fraction) and self.environment != "agentic":
+            raise ValueError(
+                "task.tool_call_cost and task.shown_segment_fraction apply to task.environment='agentic' only"
+            )
         return self
 
 
@@ -269,6 +310,14 @@ class RolloutSection(_Section):
     on every request). The policy that samples, and so the policy trained, is then the softmax
     over those tokens: the trainer computes its logprobs over the same tokens
     (``PolicyConfig.token_support``), as vLLM's processed logprobs are."""
+    constrain_actions: bool = False
+    """``agentic``: decode only valid actions, with vLLM's structured outputs (a ``choice`` sent on
+    every request): one option letter, or one ``watch_segment`` call with a segment in range,
+    written exactly as the chat template writes a tool call. A random tiny model then emits only
+    actions that parse while it learns which to take; real models run without it. vLLM masks the
+    logits with the grammar before it samples, so the trainer replays the same grammar
+    (:mod:`rl_bridge.structured_outputs`) and computes the policy's logprobs under the same
+    masks."""
     policy_fault_reward: float = 0.0
     """Reward of a rollout the policy itself made fail: a multi-turn context that outgrew
     ``model.max_model_len`` (the trajectory so far is trained with this reward). Such rollouts stay
@@ -313,7 +362,8 @@ class TrainSection(_Section):
     """Most rollout rounds of ``rollout.prompts_per_step`` prompts per step with ``dynamic_sampling``."""
     loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     checkpoint_at_end: bool = True
-    """Write a training checkpoint (model, optimizer, step) and an HF export at the end."""
+    """Write a training checkpoint (model, optimizer, step) and an HF export of the weights
+    (``<run_dir>/export``, a checkpoint ``model.path`` can start another run from) at the end."""
 
 
 class ValidationSection(_Section):
@@ -431,13 +481,34 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
-        if self.task.answer_format == "letter" and self.rollout.max_output_tokens != 1:
+        if (
+            self.task.answer_format == "letter"
+            and self.task.environment != "agentic"
+            and self.rollout.max_output_tokens != 1
+        ):
             raise ValueError(
                 "task.answer_format='letter' grades the whole answer as one letter: "
                 f"set rollout.max_output_tokens=1 (got {self.rollout.max_output_tokens})"
             )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")
+        if self.task.environment == "agentic" and self.rollout.restrict_to_options:
+            raise ValueError(
+                "task.environment='agentic': the model must be able to call tools, which "
+                "rollout.restrict_to_options (option letters only) forbids; use rollout.constrain_actions"
+            )
+        if self.rollout.constrain_actions and self.task.environment != "agentic":
+            raise ValueError("rollout.constrain_actions applies to task.environment='agentic' only")
+        if self.task.environment == "agentic" and self.model.tool_parser is None:
+            raise ValueError(
+                f"task.environment='agentic' needs vLLM to parse tool calls: model.family="
+                f"{self.model.family!r} has no default parser, set model.tool_call_parser"
+            )
+        if self.rollout.constrain_actions and self.model.tool_parser != "hermes":
+            raise ValueError(
+                "rollout.constrain_actions writes the tool calls it allows in the hermes format "
+                f"(<tool_call>{{json}}</tool_call>); model.tool_call_parser is {self.model.tool_parser!r}"
+            )
         if self.train.dynamic_sampling and self.mode != "sync":
             raise ValueError(
                 "train.dynamic_sampling refills a step with new rollouts: it needs mode='sync' "
@@ -456,7 +527,7 @@ class Recipe(_Section):
         side, temporal = self.model.video_token_geometry
         task = self.task
         per_clip = -(-task.num_frames // temporal) * -(-task.width // side) * -(-task.height // side)
-        turns = task.videos_per_prompt + (1 if task.environment == "segments" else 0)
+        turns = task.max_model_calls
         needed = task.videos_per_prompt * per_clip + turns * self.rollout.max_output_tokens
         if needed > self.model.max_model_len:
             raise ValueError(

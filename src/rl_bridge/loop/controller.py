@@ -120,6 +120,27 @@ def _media(record: Mapping[str, Any]) -> list[str]:
     return refs
 
 
+def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str, float]:
+    """What the verifier reported beyond the reward, over every row (a failed row counts as wrong,
+    with no calls): ``<prefix>/accuracy`` when it reports ``correct`` (the reward may include
+    costs), and with tool calls ``<prefix>/tool_calls_per_sample`` and
+    ``<prefix>/tool_call_precision`` (the fraction of calls that asked for the segment the question
+    names; NaN when no call was made)."""
+    answers = [res.result or {} for res in results]
+    metrics: dict[str, float] = {}
+    if not answers:
+        return metrics
+    if any("correct" in answer for answer in answers):
+        metrics[f"{prefix}/accuracy"] = sum(bool(a.get("correct")) for a in answers) / len(answers)
+    if any("tool_calls" in answer for answer in answers):
+        calls = sum(int(a.get("tool_calls") or 0) for a in answers)
+        named = sum(int(a.get("named_segment_calls") or 0) for a in answers)
+        metrics[f"{prefix}/tool_calls_per_sample"] = calls / len(answers)
+        if any(a.get("named_segment_calls") is not None for a in answers):
+            metrics[f"{prefix}/tool_call_precision"] = named / calls if calls else math.nan
+    return metrics
+
+
 class Controller:
     """One run's state: the recipe, the task data, the started roles, and the stage functions."""
 
@@ -145,10 +166,17 @@ class Controller:
             max_attempts=recipe.rollout.max_attempts,
             timeout_s=recipe.rollout.timeout_s,
         )
+        grammar = None
+        if recipe.rollout.constrain_actions:
+            from rl_bridge.loop.tasks import action_choices
+            from rl_bridge.structured_outputs import GrammarMasks
+
+            grammar = GrammarMasks(data.model_dir, action_choices(recipe.task))
         self.inputs = PolicyInputBuilder(
             load_processor(data.model_dir),
             MediaSettings(media_root=data.media_root),
             trained_turns=recipe.train.trained_turns,
+            grammar=grammar,
         )
         self.loss = GRPOPolicyLoss(recipe.train.loss)
         self._order: list[int] = []
@@ -186,7 +214,7 @@ class Controller:
         rewards = [res.reward for res in results if res.reward is not None]
         metrics = stats.as_dict()
         metrics["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
-        return results, metrics
+        return results, metrics | verifier_metrics(results, "rollout")
 
     def preprocess(self, results: Sequence[RolloutResult]) -> tuple[StepBatch, dict[str, float]]:
         """Policy samples with their advantages, by group (masked rollouts left out), and the
@@ -261,6 +289,10 @@ class Controller:
                 sum(len(inputs.trajectory.turns) for inputs in kept) / len(kept) if kept else 0.0
             ),
             "preprocess/trained_turns_per_sample": sum(trained_turns) / len(kept) if kept else 0.0,
+            # Above 1 when a chat template re-rendered an earlier turn's tokens differently.
+            "preprocess/sequences_per_sample": (
+                sum(len(inputs.sequences) for inputs in kept) / len(kept) if kept else 0.0
+            ),
             **{f"preprocess/{k}": float(v) for k, v in grouped.metrics().items()},
             **{f"preprocess/{k}": float(v) for k, v in self.inputs.metrics.as_dict().items()},
         }
@@ -307,7 +339,11 @@ class Controller:
             "preprocess/tool_calls_per_sample",
             "preprocess/turns_per_sample",
             "preprocess/trained_turns_per_sample",
+            "preprocess/sequences_per_sample",
             "preprocess/groups/zero_signal_frac",
+            "rollout/accuracy",
+            "rollout/tool_calls_per_sample",
+            "rollout/tool_call_precision",
         )
         for name in averaged:
             if name in totals:
@@ -472,5 +508,7 @@ class Controller:
         results, stats = collect_rollouts(
             self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
         )
-        correct = sum(res.reward or 0.0 for res in results)
-        return {"val/accuracy": correct / len(rows), "val/failed": float(len(rows) - stats.outcomes["ok"])}
+        scores = verifier_metrics(results, "val")
+        if "val/accuracy" not in scores:  # the reward is the grade
+            scores["val/accuracy"] = sum(res.reward or 0.0 for res in results) / len(rows)
+        return scores | {"val/failed": float(len(rows) - stats.outcomes["ok"])}

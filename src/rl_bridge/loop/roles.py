@@ -65,11 +65,14 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     The model section's dtype, context length and parallelism; dev mode for refits; the run's
     media root as the allowed local media path; as many videos per prompt as a trajectory
     collects; this package's video loader with the sampling contract the trainer's processor
-    uses, so vLLM and the trainer sample the same frames; and processed logprobs (after temperature
-    and the option restriction), the distribution the policy's logprobs are computed for.
+    uses, so vLLM and the trainer sample the same frames; processed logprobs (after temperature
+    and the option restriction), the distribution the policy's logprobs are computed for; for an
+    agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
+    structured-outputs backend the trainer replays.
     """
     from rl_bridge.processors import load_processor
     from rl_bridge.services.vllm_server import VLLMServerConfig
+    from rl_bridge.structured_outputs import STRUCTURED_OUTPUTS_BACKEND
 
     model = recipe.model
     extra_args: list[str] = []
@@ -89,6 +92,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         limit_mm_per_prompt={"image": 0, "video": recipe.task.videos_per_prompt},
         media_io_kwargs={"video": contract.to_media_io_kwargs()},
         logprobs_mode="processed_logprobs",
+        tool_call_parser=model.tool_parser if recipe.task.environment == "agentic" else None,
+        structured_outputs_backend=STRUCTURED_OUTPUTS_BACKEND if recipe.rollout.constrain_actions else None,
         startup_timeout_s=900,
         extra_args=tuple(extra_args),
     )

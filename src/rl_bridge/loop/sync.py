@@ -23,7 +23,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from rl_bridge.loop.config import Recipe
+from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, write_curves
 from rl_bridge.loop.report import RunReport
@@ -73,6 +73,7 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         report.finish(step)
         if recipe.train.checkpoint_at_end:
             controller.roles.policy.save_checkpoint(run_dir / "checkpoint")
+            controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
         served_version = controller.refit_client.weight_version()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
     return report.summary(steps=step, served_version=served_version, setup_s=setup["time/setup_s"])

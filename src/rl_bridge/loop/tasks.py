@@ -11,19 +11,32 @@ Two environments (:attr:`~rl_bridge.loop.config.TaskSection.environment`):
 - ``segments``: multi-turn ``video_segments`` rows
   (:func:`gym_video_env.environments.video_segments_rows`) served by ``video_tools_agent``: the
   prompt has no video and the environment returns one segment's clip after each model turn, so a
-  trajectory shows ``num_segments`` clips, each in a later turn, and the last answer is graded.
+  trajectory shows ``num_segments`` clips, each in a later turn, and the last answer is graded;
+- ``agentic``: ``video_segments`` rows whose question names one segment
+  (:func:`gym_video_env.environments.video_segment_question_rows`), served by
+  ``video_tools_agent`` without an observation route: the model must call ``watch_segment`` (a
+  tool call vLLM's parser turns into a Gym ``function_call``) for the named segment, see its clip
+  in the next turn, and answer; every call costs ``task.tool_call_cost``. With
+  ``rollout.constrain_actions`` every model turn is decoded under a structured-outputs choice of
+  the valid actions (:func:`action_choices`).
 
 :func:`prepare_task` builds everything a run needs before any server starts (:class:`TaskData`).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from gym_video_env.environments import mcqa_row, video_segments_rows
+from gym_video_env.environments import (
+    WATCH_SEGMENT_TOOL_NAME,
+    mcqa_row,
+    video_segment_question_rows,
+    video_segments_rows,
+)
 from gym_video_env.grading import BOXED_INSTRUCTION, LETTER_INSTRUCTION
 from gym_video_env.synthetic import ClipConfig, make_task_clip
 from rl_bridge.loop.config import ModelSection, Recipe, TaskSection
@@ -35,6 +48,8 @@ __all__ = [
     "MEDIA_FAULT_KEY",
     "MODEL_SERVER",
     "TaskData",
+    "action_choices",
+    "hermes_tool_call",
     "letter_token_ids",
     "option_letters",
     "prepare_task",
@@ -45,7 +60,11 @@ __all__ = [
 MODEL_SERVER = "policy_model"
 AGENT_SERVER = "task_agent"
 # Per environment: the resources server directory (also its instance name).
-_RESOURCES: Final[dict[str, str]] = {"mcqa": "video_mcqa", "segments": "video_segments"}
+_RESOURCES: Final[dict[str, str]] = {
+    "mcqa": "video_mcqa",
+    "segments": "video_segments",
+    "agentic": "video_segments",
+}
 # The observation route of video_segments that returns the next unseen segment's clip.
 _NEXT_SEGMENT_ROUTE: Final = "/next_segment"
 
@@ -78,7 +97,24 @@ def _instruction(task: TaskSection) -> str:
     return LETTER_INSTRUCTION if task.answer_format == "letter" else BOXED_INSTRUCTION
 
 
-def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str) -> list[dict[str, Any]]:
+def hermes_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call as the Qwen chat templates write it and vLLM's ``hermes`` parser reads it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def action_choices(task: TaskSection) -> list[str]:
+    """The valid actions of one ``agentic`` model turn: an option letter, or one ``watch_segment``
+    call for a segment in range, written exactly as the chat template re-renders it (so the next
+    turn's prompt continues the generated tokens when they took the template's tokenisation)."""
+    calls = [
+        hermes_tool_call(WATCH_SEGMENT_TOOL_NAME, {"segment": k}) for k in range(1, task.num_segments + 1)
+    ]
+    return [*option_letters(task), *calls]
+
+
+def task_rows(
+    task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str, held_out: bool = False
+) -> list[dict[str, Any]]:
     """Write clips under ``media_root/subdir`` and return ``n`` rows of ``task.environment``.
 
     ``mcqa`` rows (:func:`gym_video_env.environments.mcqa_row`) carry ``task_id``, ``task``,
@@ -97,6 +133,18 @@ def task_rows(task: TaskSection, media_root: Path, n: int, *, seed: int, subdir:
         raise ValueError(f"task_rows: n must be >= 1, got {n}")
     if task.environment == "segments":
         return _segments_rows(task, media_root, n, seed=seed, subdir=subdir)
+    if task.environment == "agentic":
+        return video_segment_question_rows(
+            media_root,
+            n,
+            seed=seed,
+            num_segments=task.num_segments,
+            num_options=task.num_options,
+            config=_clip_config(task),
+            instruction=_instruction(task),
+            shown_fraction=0.0 if held_out else task.shown_segment_fraction,
+            subdir=subdir,
+        )
     return _mcqa_rows(task, media_root, n, seed=seed, subdir=subdir)
 
 
@@ -143,6 +191,8 @@ def _segments_rows(
         num_segments=task.num_segments,
         num_options=task.num_options,
         config=_clip_config(task),
+        canonical_options=task.canonical_options,
+        whole_clips=task.whole_clip_only,
         subdir=subdir,
     )
     instruction = _instruction(task)
@@ -276,13 +326,20 @@ class TaskData:
         resources server ``video_mcqa``, one model call (the agent is then Gym's
         ``simple_agent``). ``segments``: ``video_segments``, the agent asking ``/next_segment``
         for the next clip after every model turn: ``num_segments + 1`` model calls, the clips in
-        between. Both grade the final answer in ``task.answer_format``.
+        between. ``agentic``: ``video_segments`` with ``tool_call_cost`` and no observation route:
+        a turn that calls ``watch_segment`` gets the clip in the next turn, a turn that answers
+        ends the episode (``num_segments + 1`` model calls at most); with
+        ``rollout.constrain_actions`` the model server sends the structured-outputs choice of
+        :func:`action_choices` with every request. Both grade the final answer in ``task.answer_format``.
         """
         from rl_bridge.services.gym_server import GymServerSpec, video_model_server_spec
+        from rl_bridge.structured_outputs import choice_request_body
 
         task = recipe.task
         support = self.token_support(recipe)
-        extra_body = {"allowed_token_ids": support} if support is not None else None
+        extra_body: dict[str, Any] | None = {"allowed_token_ids": support} if support is not None else None
+        if recipe.rollout.constrain_actions:
+            extra_body = choice_request_body(action_choices(task))
         model = video_model_server_spec(
             MODEL_SERVER,
             openai_url=openai_url,
@@ -291,7 +348,25 @@ class TaskData:
             extra_body=extra_body,
         )
         name = _RESOURCES[task.environment]
-        if task.environment == "segments":
+        if task.environment == "agentic":
+            resources = GymServerSpec(
+                name,
+                "resources_servers",
+                name,
+                {"domain": "agent", "answer_format": task.answer_format, "tool_call_cost": task.tool_call_cost},
+            )
+            agent = GymServerSpec(
+                AGENT_SERVER,
+                "responses_api_agents",
+                "video_tools_agent",
+                {
+                    "resources_server": resources.ref(),
+                    "model_server": model.ref(),
+                    "max_steps": task.max_model_calls,
+                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
+                },
+            )
+        elif task.environment == "segments":
             resources = GymServerSpec(
                 name, "resources_servers", name, {"domain": "agent", "answer_format": task.answer_format}
             )
@@ -302,7 +377,7 @@ class TaskData:
                 {
                     "resources_server": resources.ref(),
                     "model_server": model.ref(),
-                    "max_steps": task.num_segments + 1,
+                    "max_steps": task.max_model_calls,
                     "observation_route": _NEXT_SEGMENT_ROUTE,
                     "policy_fault_reward": recipe.rollout.policy_fault_reward,
                 },
@@ -358,7 +433,7 @@ def prepare_task(recipe: Recipe) -> TaskData:
     train_rows = task_rows(task, media_root, task.train_rows, seed=task.seed, subdir="train")
     if task.bad_row_fraction:
         train_rows = with_bad_media(train_rows, task.bad_row_fraction, media_root, seed=task.seed)
-    val_rows = task_rows(task, media_root, task.val_rows, seed=task.seed + 1, subdir="val")
+    val_rows = task_rows(task, media_root, task.val_rows, seed=task.seed + 1, subdir="val", held_out=True)
     return TaskData(
         model_dir=model_dir,
         media_root=media_root,

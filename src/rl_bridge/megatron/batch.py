@@ -53,6 +53,10 @@ class PolicySample:
     """``[T]`` log-probabilities under the reference policy (KL penalty); ``None`` without KL."""
     media: tuple[ProcessedMedia, ...] = ()
     """The media of the sequence in prompt order: shared objects, referenced and never modified."""
+    allowed_tokens: torch.Tensor | None = None
+    """``[num_target_tokens, words]`` int32, packed (:mod:`rl_bridge.structured_outputs`): per
+    target token in position order, the tokens the rollout engine's structured-outputs grammar
+    allowed there; ``None``: decoding was not constrained."""
 
     def __post_init__(self) -> None:
         length = self.input_ids.shape
@@ -75,6 +79,14 @@ class PolicySample:
                 )
         if not isinstance(self.media, tuple) or not all(isinstance(m, ProcessedMedia) for m in self.media):
             raise ValueError("PolicySample: media must be a tuple of ProcessedMedia")
+        allowed = self.allowed_tokens
+        if allowed is not None and (
+            allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.size(0) != self.num_target_tokens
+        ):
+            raise ValueError(
+                f"PolicySample: allowed_tokens must be int32 [{self.num_target_tokens}, words], "
+                f"got {allowed.dtype} {tuple(allowed.shape)}"
+            )
 
     @property
     def num_target_tokens(self) -> int:
@@ -112,6 +124,9 @@ class MicroBatch:
     """``[B, S]`` fp32 (0 on padding); ``None`` when no sample has them."""
     ref_logprobs: torch.Tensor | None
     """``[B, S]`` fp32 (0 on padding); ``None`` when no sample has them."""
+    allowed_tokens: torch.Tensor | None = None
+    """``[num_target_tokens, words]`` int32 packed masks of the target tokens in ``target_mask``
+    order (row-major), all-allowed rows for samples without; ``None`` when no sample has them."""
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     """Model keyword arguments of the samples' media (for Qwen2.5-VL ``pixel_values_videos``,
     ``video_grid_thw``, ``second_per_grid_ts``, ``pixel_values``, ``image_grid_thw``), each present
@@ -137,6 +152,7 @@ class MicroBatch:
             old_logprobs=move(self.old_logprobs),
             behaviour_logprobs=move(self.behaviour_logprobs),
             ref_logprobs=move(self.ref_logprobs),
+            allowed_tokens=move(self.allowed_tokens),
             media={name: t.to(device) for name, t in self.media.items()},
         )
 
@@ -228,5 +244,24 @@ def collate(samples: Sequence[PolicySample], *, pad_token_id: int, media_tokens:
         old_logprobs=_optional_per_token(samples, "old_logprobs", length),
         behaviour_logprobs=_optional_per_token(samples, "behaviour_logprobs", length),
         ref_logprobs=_optional_per_token(samples, "ref_logprobs", length),
+        allowed_tokens=_allowed_tokens(samples),
         media=_media_kwargs(samples),
+    )
+
+
+def _allowed_tokens(samples: Sequence[PolicySample]) -> torch.Tensor | None:
+    """The samples' packed masks, concatenated; all-allowed rows for a sample without."""
+    present = [s.allowed_tokens for s in samples if s.allowed_tokens is not None]
+    if not present:
+        return None
+    words = present[0].size(1)
+    if any(mask.size(1) != words for mask in present):
+        raise ValueError("collate: allowed_tokens of different widths (vocabularies) in one micro-batch")
+    return torch.cat(
+        [
+            s.allowed_tokens
+            if s.allowed_tokens is not None
+            else torch.full((s.num_target_tokens, words), -1, dtype=torch.int32)
+            for s in samples
+        ]
     )

@@ -21,7 +21,9 @@ take no part in the normaliser and receive zero gradient.
 
 A ``support`` (the token ids sampling was restricted to, e.g. vLLM's ``allowed_token_ids``) makes
 the distribution the softmax over those columns only: the policy that actually sampled the tokens,
-whose logprobs vLLM reports with ``--logprobs-mode processed_logprobs``.
+whose logprobs vLLM reports with ``--logprobs-mode processed_logprobs``. An ``allowed`` mask does
+the same per row: the tokens a structured-outputs grammar allowed at that position
+(:mod:`rl_bridge.structured_outputs`), which vLLM applies to the logits before it samples.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def token_logprobs(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     support: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
     max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """``log softmax(logits / temperature)[target]`` for each row, over the real vocabulary
@@ -117,6 +120,8 @@ def token_logprobs(
             of size 1) means ``logits`` hold the whole vocabulary.
         support: ``[K]`` distinct global token ids the softmax runs over (every other column takes
             no part and gets zero gradient); ``None``: the whole real vocabulary.
+        allowed: ``[rows, vocab_size]`` bool: per row, the global token ids the softmax runs over
+            (on top of ``support``); ``None``: no per-row restriction.
         max_chunk_elements: at most this many logits are held in fp32 at a time.
 
     Returns:
@@ -125,8 +130,8 @@ def token_logprobs(
 
     Raises:
         ValueError: mismatched shapes, a non-positive temperature, a target outside the
-            vocabulary or outside ``support``, or a shard layout that does not cover
-            ``vocab_size``.
+            vocabulary, outside ``support`` or not ``allowed`` in its row, or a shard layout that
+            does not cover ``vocab_size``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(
@@ -156,6 +161,17 @@ def token_logprobs(
             f"token_logprobs: tensor-parallel rank {tp_rank} holds only vocabulary padding "
             f"(columns from {vocab_start}, vocabulary {vocab_size})"
         )
+    if allowed is not None:
+        if allowed.dtype != torch.bool or allowed.shape != (logits.size(0), vocab_size):
+            raise ValueError(
+                f"token_logprobs: allowed must be a bool [{logits.size(0)}, {vocab_size}] tensor, "
+                f"got {allowed.dtype} {tuple(allowed.shape)}"
+            )
+        allowed = allowed.to(logits.device)
+        rows = torch.arange(logits.size(0), device=logits.device)
+        if targets.numel() and not bool(allowed[rows, targets.long().to(logits.device)].all()):
+            raise ValueError("token_logprobs: a target id is not allowed in its row")
+        local_allowed = allowed[:, vocab_start : vocab_start + real_columns]
     local_targets = targets.long() - vocab_start
     in_shard = (local_targets >= 0) & (local_targets < real_columns)
     local_targets = torch.where(in_shard, local_targets, 0)
@@ -172,10 +188,15 @@ def token_logprobs(
             in_shard = in_shard & (local_ids[position] == local_targets)
             local_targets = torch.where(in_shard, position, 0)
             columns = columns.index_select(1, local_ids)
+            if allowed is not None:
+                local_allowed = local_allowed.index_select(1, local_ids)
         else:  # this rank holds none of the support: one column that adds nothing
             in_shard = torch.zeros_like(in_shard)
             local_targets = torch.zeros_like(local_targets)
             columns = logits[:, :1] * 0.0 - float("inf")  # connected to the graph, zero gradient
+            allowed = None  # nothing left to mask
+    if allowed is not None:
+        columns = columns.masked_fill(~local_allowed, float("-inf"))
     # Every rank of the group must take the same chunks (each chunk all-reduces), so the chunk size
     # comes from widths all ranks share, not from this shard's own column count.
     width = local_vocab if support is None else min(local_vocab, int(ids.numel()))

@@ -43,6 +43,7 @@ import torch
 from rl_bridge.grpo import GRPOLossConfig, grpo_loss, loss_denominator
 from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
 from rl_bridge.megatron.cpu_support import cpu_support_needed, optimizer_config_for_host
+from rl_bridge.structured_outputs import unpack_bitmask
 from rl_bridge.megatron.logprobs import token_logprobs
 from rl_bridge.megatron.model import (
     LayerSpec,
@@ -394,6 +395,11 @@ class MegatronPolicy:
             temperature=self.config.temperature,
             tp_group=self._logits_tp_group,
             support=self._token_support,
+            allowed=(
+                unpack_bitmask(micro_batch.allowed_tokens, self.vocab_size)
+                if micro_batch.allowed_tokens is not None
+                else None
+            ),
         )
         zeros = torch.zeros(batch_size, seq_len, dtype=torch.float32, device=logits.device)
         return zeros.index_put((sample, position), values)

@@ -85,6 +85,16 @@ class VLLMServerConfig(BaseModel):
         description="Which logprobs vLLM returns: of the raw logits (its default) or of the "
         "distribution sampled from (after temperature and logits processors such as allowed_token_ids).",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool-call parser for the chat template's call format (e.g. `hermes`); "
+        "set: `--enable-auto-tool-choice --tool-call-parser NAME`. None: no tool calls are parsed.",
+    )
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance", "outlines"] | None = Field(
+        None,
+        description="The backend of structured outputs; None keeps vLLM's (auto). A trainer that "
+        "replays the grammar pins the backend it replays.",
+    )
     kv_cache_space_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB.")
     plugins: tuple[str, ...] | None = Field(
         None, description="Allow-list for VLLM_PLUGINS; None loads every installed plugin."
@@ -148,6 +158,10 @@ def server_argv(
         argv += ["--media-io-kwargs", json.dumps(config.media_io_kwargs, sort_keys=True)]
     if config.logprobs_mode is not None:
         argv += ["--logprobs-mode", config.logprobs_mode]
+    if config.tool_call_parser is not None:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if config.structured_outputs_backend is not None:
+        argv += ["--structured-outputs-config", json.dumps({"backend": config.structured_outputs_backend})]
     argv += config.extra_args
     return argv
 

@@ -26,7 +26,7 @@ from transformers import (
 from rl_bridge.tiny_models.builder import TinyModelSpec
 from rl_bridge.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
-__all__ = ["QWEN_SPECIAL_TOKENS", "Qwen3VLSpec", "Qwen25VLSpec"]
+__all__ = ["QWEN_ADDED_TOKENS", "QWEN_SPECIAL_TOKENS", "Qwen3VLSpec", "Qwen25VLSpec"]
 
 #: Special tokens of the Qwen2-VL family, in the order of their ids in the released tokenizers.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -45,6 +45,10 @@ QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+
+#: The tool-call markers that follow them (not special: decoding keeps them, and vLLM's ``hermes``
+#: tool-call parser finds the calls between them in the output text).
+QWEN_ADDED_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
 _ROLES = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 _NAMED_TOKENS = {
@@ -115,6 +119,7 @@ class _QwenVLSpec(TinyModelSpec):
             chat_template=load_chat_template(self.family),
             roles=_ROLES,
             extra_special_tokens=_NAMED_TOKENS,
+            added_tokens=QWEN_ADDED_TOKENS,
             model_max_length=self.max_position_embeddings,
         )
 
@@ -195,7 +200,7 @@ class Qwen25VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen2_5_vl"
-    builder_version: ClassVar[int] = 1
+    builder_version: ClassVar[int] = 2
 
     window_size: PositiveInt = Field(112, description="Vision window attention side, pixels.")
     fullatt_block_indexes: tuple[int, ...] = Field((1,), description="Vision blocks with full attention.")
@@ -275,7 +280,7 @@ class Qwen3VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen3_vl"
-    builder_version: ClassVar[int] = 1
+    builder_version: ClassVar[int] = 2
 
     patch_size: PositiveInt = 16
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] = (24, 20, 20)

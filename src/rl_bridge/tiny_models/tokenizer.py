@@ -68,13 +68,14 @@ def build_tokenizer(
     chat_template: str,
     roles: Mapping[str, str],
     extra_special_tokens: Mapping[str, str] | None = None,
+    added_tokens: Sequence[str] = (),
     model_max_length: int = 32768,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on :data:`CORPUS` and wrap it as a ``PreTrainedTokenizerFast``.
 
     The regular vocabulary gets ids ``0 .. bpe_vocab_size - 1`` (the byte alphabet first, then
-    merges); ``special_tokens`` follow in order, as in the real checkpoints, so the full vocabulary
-    size is ``bpe_vocab_size + len(special_tokens)``.
+    merges); ``special_tokens`` follow in order, then ``added_tokens``, as in the real checkpoints,
+    so the full vocabulary size is ``bpe_vocab_size + len(special_tokens) + len(added_tokens)``.
 
     Args:
         bpe_vocab_size: Size of the regular (non-special) vocabulary, at least
@@ -86,6 +87,8 @@ def build_tokenizer(
             ``pad_token``, ``unk_token``; values must be in ``special_tokens``.
         extra_special_tokens: Named special tokens exposed as tokenizer attributes
             (e.g. ``{"video_token": "<|video_pad|>"}``); values must be in ``special_tokens``.
+        added_tokens: Tokens never split but not special: decoding keeps them (Qwen's
+            ``<tool_call>`` and ``</tool_call>``, which a tool-call parser finds in the output text).
         model_max_length: The longest sequence, in tokens, the tokenizer reports as supported.
 
     Raises:
@@ -119,6 +122,7 @@ def build_tokenizer(
         )
 
     backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in special_tokens])
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok in added_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         model_max_length=model_max_length,

@@ -1,0 +1,126 @@
+"""The trainer's side of vLLM's structured outputs: the token masks each generated token was sampled under.
+
+A recipe may constrain decoding with vLLM's structured outputs (``rollout.action_choices``: the
+request's ``structured_outputs.choice``, e.g. "an option letter, or one well-formed tool call"),
+so that a random tiny model emits only valid actions while it learns which to take. vLLM applies
+the grammar's token bitmask to the logits before it samples, so the distribution it samples from
+and the logprobs it reports are the softmax over the allowed tokens of each position. That masked
+distribution is the policy being trained: the trainer must compute its logprobs under the same
+mask at every generated position, or the ratio, the mismatch metrics and the gradient describe
+another policy.
+
+:class:`GrammarMasks` replays a turn's generated tokens through xgrammar, the backend the loop's
+vLLM is pinned to (``--structured-outputs-config {"backend": "xgrammar"}``), built as vLLM builds
+it: the tokenizer's vocabulary at the checkpoint's vocabulary size, the stop tokens vLLM adds to a
+request (the tokenizer's EOS and the generation config's ``eos_token_id``), and the grammar vLLM
+compiles for a choice (``choice_as_grammar``). Before each token it records the bitmask xgrammar
+fills (packed: bit ``j`` of int32 word ``w`` allows token ``32 * w + j``), then accepts the token.
+A token the grammar rejects means the trainer's grammar is not vLLM's: :class:`ConstraintError`,
+which the policy-input builder turns into a masked sample (``constraint_mismatch``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ConstraintError",
+    "GrammarMasks",
+    "choice_request_body",
+    "unpack_bitmask",
+]
+
+STRUCTURED_OUTPUTS_BACKEND = "xgrammar"
+"""The backend the loop's vLLM runs structured outputs with (and the trainer replays)."""
+
+
+class ConstraintError(ValueError):
+    """A generated token that the replayed grammar does not allow at its position."""
+
+
+def choice_request_body(choices: Sequence[str]) -> dict[str, Any]:
+    """The chat-completion fields that make vLLM decode exactly one of ``choices``."""
+    return {"structured_outputs": {"choice": list(choices)}}
+
+
+def _stop_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
+    """The stop tokens vLLM adds to every request: the tokenizer's EOS and the generation config's."""
+    stops = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id")
+        stops.update([eos] if isinstance(eos, int) else list(eos or ()))
+    return sorted(stops)
+
+
+def _vocab_size(model_dir: Path) -> int:
+    """The checkpoint's vocabulary size (the text config's, for a vision-language model)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    for section in (config, config.get("text_config") or {}, config.get("llm_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    raise ValueError(f"{model_dir / 'config.json'} has no vocab_size")
+
+
+class GrammarMasks:
+    """Per-token masks of one structured-outputs choice for one checkpoint; see the module docstring.
+
+    Thread-safe: the grammar is compiled once, each call replays with its own matcher.
+    """
+
+    def __init__(self, model_dir: str | Path, choices: Sequence[str]) -> None:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+        from vllm.v1.structured_output.utils import choice_as_grammar
+
+        if not choices:
+            raise ValueError("GrammarMasks: choices must not be empty")
+        model_dir = Path(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vocab_size = _vocab_size(model_dir)
+        self.stop_token_ids = _stop_token_ids(model_dir, tokenizer)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        self._grammar = xgr.GrammarCompiler(info).compile_grammar(choice_as_grammar(list(choices)))
+        self._xgr = xgr
+        self._lock = threading.Lock()
+
+    @property
+    def words(self) -> int:
+        """int32 words per packed mask row."""
+        return (self.vocab_size + 31) // 32
+
+    def bitmasks(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``[len(token_ids), words]`` int32: the mask each token was sampled under, packed.
+
+        Tokens after the grammar terminated (it accepted a stop token) were not constrained:
+        their rows allow every token, as vLLM leaves them.
+
+        Raises:
+            ConstraintError: a token the grammar does not allow at its position.
+        """
+        xgr = self._xgr
+        matcher = xgr.GrammarMatcher(self._grammar, override_stop_tokens=self.stop_token_ids)
+        masks = torch.full((len(token_ids), self.words), -1, dtype=torch.int32)
+        for position, token in enumerate(token_ids):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(masks, position)
+            if not matcher.accept_token(int(token)):
+                raise ConstraintError(
+                    f"generated token {int(token)} at position {position} is not allowed by the "
+                    "structured-outputs grammar the trainer replays (is vLLM's grammar the recipe's?)"
+                )
+        return masks
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, vocab_size]`` bool from ``[rows, words]`` int32 packed masks (xgrammar's layout)."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

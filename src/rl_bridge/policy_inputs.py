@@ -148,7 +148,7 @@ class PolicyInputBuilder:
         decode_cache: DecodeCache | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
         trained_turns: TrainedTurns = "all",
-        grammar: GrammarMasks | None = None,
+        grammars: Sequence[GrammarMasks] = (),
     ) -> None:
         """
         Args:
@@ -162,12 +162,14 @@ class PolicyInputBuilder:
                 (every turn carries the trajectory's advantage) or ``"last"`` (only the final
                 turn's: the earlier ones stay in the sequence as context). Every turn's media pass
                 the placeholder check either way.
-            grammar: the structured-outputs grammar every generated token was decoded under
-                (:class:`~rl_bridge.structured_outputs.GrammarMasks`); each target token then
-                carries the mask vLLM applied there. ``None``: decoding was not constrained.
+            grammars: the structured-outputs grammars the turns were decoded under
+                (:class:`~rl_bridge.structured_outputs.GrammarMasks`): turn ``i`` under
+                ``grammars[min(i, len(grammars) - 1)]`` (a first turn may have its own). Each
+                target token then carries the mask vLLM applied there. Empty: decoding was not
+                constrained.
         """
         self.trained_turns = trained_turns
-        self.grammar = grammar
+        self.grammars = tuple(grammars)
         self.processor = processor
         self.store = MediaStore(processor, settings, decode_cache=decode_cache, limits=limits)
         self.metrics = MediaMetrics()
@@ -219,7 +221,7 @@ class PolicyInputBuilder:
         )
         try:
             sequences = tuple(
-                _sequence_inputs(turns, processed, trained, self.grammar) for turns in trajectory.sequences
+                _sequence_inputs(turns, processed, trained, self.grammars) for turns in trajectory.sequences
             )
         except ConstraintError as error:
             return self._count(_masked("constraint_mismatch", str(error), trajectory))
@@ -234,7 +236,7 @@ def _sequence_inputs(
     turns: Sequence[Turn],
     processed: Mapping[int, list[ProcessedMedia]],
     trained: set[int],
-    grammar: GrammarMasks | None,
+    grammars: Sequence[GrammarMasks],
 ) -> SequenceInputs:
     token_ids = torch.tensor([t for turn in turns for t in (*turn.new_prompt_ids, *turn.generation_ids)])
     target_mask = torch.zeros(len(token_ids), dtype=torch.bool)
@@ -244,9 +246,13 @@ def _sequence_inputs(
         behaviour[turn.generation_start : turn.end] = torch.tensor(turn.generation_logprobs)
     media = tuple(item for turn in turns for item in processed[turn.index])
     allowed = None
-    if grammar is not None:
-        masks = [grammar.bitmasks(turn.generation_ids) for turn in turns if turn.index in trained]
-        allowed = torch.cat(masks) if masks else torch.empty(0, grammar.words, dtype=torch.int32)
+    if grammars:
+        masks = [
+            grammars[min(turn.index, len(grammars) - 1)].bitmasks(turn.generation_ids)
+            for turn in turns
+            if turn.index in trained
+        ]
+        allowed = torch.cat(masks) if masks else torch.empty(0, grammars[0].words, dtype=torch.int32)
     return SequenceInputs(
         token_ids=token_ids.long(),
         target_mask=target_mask,

@@ -63,14 +63,16 @@ def test_the_agentic_environment_s_settings_are_checked() -> None:
     agentic = project_root() / "recipes" / "tiny_cpu_agentic.yaml"
     recipe = load_recipe(agentic)
     assert recipe.model.tool_parser == "hermes" and recipe.task.max_model_calls == 4
-    # Every segment once and the clip a shown row's prompt carries.
-    assert recipe.task.videos_per_prompt == recipe.task.num_segments + 1
+    assert recipe.task.videos_per_prompt == recipe.task.num_segments  # each segment at most once
+    assert load_recipe(agentic, ["task.shown_segment_fraction=0.5"]).task.videos_per_prompt == 4
     with pytest.raises(pydantic.ValidationError, match="restrict_to_options \\(option letters only\\) forbids"):
         load_recipe(agentic, ["rollout.restrict_to_options=true"])
     with pytest.raises(pydantic.ValidationError, match="constrain_actions applies to"):
         load_recipe(None, ["rollout.constrain_actions=true"])
     with pytest.raises(pydantic.ValidationError, match="apply to task.environment='agentic' only"):
         load_recipe(None, ["task.tool_call_cost=0.1"])
+    with pytest.raises(pydantic.ValidationError, match="first_turn_tool_call needs rollout.constrain_actions"):
+        load_recipe(agentic, ["rollout.constrain_actions=false"])
     with pytest.raises(pydantic.ValidationError, match="num_segments >= 2"):
         load_recipe(agentic, ["task.num_segments=1"])
     with pytest.raises(pydantic.ValidationError, match="writes the tool calls it allows in the hermes format"):

@@ -26,7 +26,8 @@ An inner server's refusal of the row itself (HTTP 4xx other than 408 and 429: e.
 server or vLLM refusing a video that does not decode) is answered with that status and body,
 where Gym's agents answer 500: callers can tell a bad row, which retrying cannot fix, from a
 failing server. With ``max_steps: 1`` and no ``observation_route`` the agent is ``simple_agent``
-with that difference.
+with that difference. ``first_call_params`` adds request fields to the first model call only
+(e.g. a structured-outputs choice that makes the first turn an action).
 
 The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
 vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
@@ -61,6 +62,11 @@ class VideoToolsAgentConfig(BaseResponsesAPIAgentConfig):
     turn without tool calls. ``None``: such a turn ends the trajectory."""
     policy_fault_reward: float = 0.0
     """Reward of a trajectory that ended in a policy fault (its context outgrew the model's)."""
+    first_call_params: dict[str, Any] | None = None
+    """Request fields merged into the first model call only (a dict value such as ``metadata`` is
+    merged key by key), e.g. ``{"metadata": {"extra_body": "<json>"}}``, which Gym's model server
+    merges into its request to vLLM: a first turn decoded under its own structured-outputs choice
+    (an action, not a blind answer). ``None``: every call is made with the row's parameters."""
 
 
 class VideoToolsAgentRunRequest(BaseRunRequest):
@@ -150,8 +156,10 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         usage: dict[str, int] = {}
         last: dict[str, Any] | None = None
         policy_fault: str | None = None
-        for _ in range(self.config.max_steps):
+        for call in range(self.config.max_steps):
             request_body = {**params, "input": prompt_items + trajectory}
+            if call == 0 and self.config.first_call_params:
+                request_body = _merged(request_body, self.config.first_call_params)
             answer = await self.server_client.post(
                 server_name=self.config.model_server.name,
                 url_path="/v1/responses",
@@ -233,6 +241,15 @@ _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum 
 
 # Request Timeout and Too Many Requests: the server, not the row, failed.
 _RETRYABLE_4XX = frozenset({408, 429})
+
+
+def _merged(body: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``extra``'s fields; a field that is a dict in both is merged key by key."""
+    merged = dict(body)
+    for key, value in extra.items():
+        current = merged.get(key)
+        merged[key] = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def _tool_output(call: dict[str, Any], output: str | list[dict[str, Any]]) -> dict[str, Any]:

@@ -318,6 +318,11 @@ class RolloutSection(_Section):
     logits with the grammar before it samples, so the trainer replays the same grammar
     (:mod:`rl_bridge.structured_outputs`) and computes the policy's logprobs under the same
     masks."""
+    first_turn_tool_call: bool = False
+    """With ``constrain_actions``: the first model turn's choice holds the tool calls only, so a
+    trajectory starts with an action instead of a blind answer (sent by ``video_tools_agent`` with
+    the first call; the trainer replays that turn under the same choice). Later turns choose
+    between answering and calling again."""
     policy_fault_reward: float = 0.0
     """Reward of a rollout the policy itself made fail: a multi-turn context that outgrew
     ``model.max_model_len`` (the trajectory so far is trained with this reward). Such rollouts stay
@@ -499,6 +504,8 @@ class Recipe(_Section):
             )
         if self.rollout.constrain_actions and self.task.environment != "agentic":
             raise ValueError("rollout.constrain_actions applies to task.environment='agentic' only")
+        if self.rollout.first_turn_tool_call and not self.rollout.constrain_actions:
+            raise ValueError("rollout.first_turn_tool_call needs rollout.constrain_actions")
         if self.task.environment == "agentic" and self.model.tool_parser is None:
             raise ValueError(
                 f"task.environment='agentic' needs vLLM to parse tool calls: model.family="

@@ -166,17 +166,14 @@ class Controller:
             max_attempts=recipe.rollout.max_attempts,
             timeout_s=recipe.rollout.timeout_s,
         )
-        grammar = None
-        if recipe.rollout.constrain_actions:
-            from rl_bridge.loop.tasks import action_choices
-            from rl_bridge.structured_outputs import GrammarMasks
+        from rl_bridge.loop.tasks import turn_choices
+        from rl_bridge.structured_outputs import GrammarMasks
 
-            grammar = GrammarMasks(data.model_dir, action_choices(recipe.task))
         self.inputs = PolicyInputBuilder(
             load_processor(data.model_dir),
             MediaSettings(media_root=data.media_root),
             trained_turns=recipe.train.trained_turns,
-            grammar=grammar,
+            grammars=[GrammarMasks(data.model_dir, choices) for choices in turn_choices(recipe)],
         )
         self.loss = GRPOPolicyLoss(recipe.train.loss)
         self._order: list[int] = []

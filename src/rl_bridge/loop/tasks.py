@@ -50,6 +50,7 @@ __all__ = [
     "TaskData",
     "action_choices",
     "hermes_tool_call",
+    "turn_choices",
     "letter_token_ids",
     "option_letters",
     "prepare_task",
@@ -102,14 +103,25 @@ def hermes_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-def action_choices(task: TaskSection) -> list[str]:
+def action_choices(task: TaskSection, *, calls_only: bool = False) -> list[str]:
     """The valid actions of one ``agentic`` model turn: an option letter, or one ``watch_segment``
     call for a segment in range, written exactly as the chat template re-renders it (so the next
-    turn's prompt continues the generated tokens when they took the template's tokenisation)."""
+    turn's prompt continues the generated tokens when they took the template's tokenisation).
+    ``calls_only``: the calls alone (a first turn that must act)."""
     calls = [
         hermes_tool_call(WATCH_SEGMENT_TOOL_NAME, {"segment": k}) for k in range(1, task.num_segments + 1)
     ]
-    return [*option_letters(task), *calls]
+    return calls if calls_only else [*option_letters(task), *calls]
+
+
+def turn_choices(recipe: Recipe) -> list[list[str]]:
+    """The structured-outputs choice of each model turn under ``rollout.constrain_actions``: turn
+    ``i`` is decoded under ``turn_choices[min(i, len - 1)]`` (the first turn calls only with
+    ``rollout.first_turn_tool_call``); empty without a constraint."""
+    if not recipe.rollout.constrain_actions:
+        return []
+    full = action_choices(recipe.task)
+    return [action_choices(recipe.task, calls_only=True), full] if recipe.rollout.first_turn_tool_call else [full]
 
 
 def task_rows(
@@ -348,6 +360,10 @@ class TaskData:
             extra_body=extra_body,
         )
         name = _RESOURCES[task.environment]
+        first_call = None
+        if recipe.rollout.first_turn_tool_call:  # the model server merges metadata.extra_body
+            first = choice_request_body(turn_choices(recipe)[0])
+            first_call = {"metadata": {"extra_body": json.dumps(first)}}
         if task.environment == "agentic":
             resources = GymServerSpec(
                 name,
@@ -364,6 +380,7 @@ class TaskData:
                     "model_server": model.ref(),
                     "max_steps": task.max_model_calls,
                     "policy_fault_reward": recipe.rollout.policy_fault_reward,
+                    "first_call_params": first_call,
                 },
             )
         elif task.environment == "segments":

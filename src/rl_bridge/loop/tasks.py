@@ -360,60 +360,28 @@ class TaskData:
             extra_body=extra_body,
         )
         name = _RESOURCES[task.environment]
-        first_call = None
-        if recipe.rollout.first_turn_tool_call:  # the model server merges metadata.extra_body
-            first = choice_request_body(turn_choices(recipe)[0])
-            first_call = {"metadata": {"extra_body": json.dumps(first)}}
+        resources_fields: dict[str, Any] = {
+            "domain": "knowledge" if task.environment == "mcqa" else "agent",
+            "answer_format": task.answer_format,
+        }
+        agent_fields: dict[str, Any] = {
+            "max_steps": task.max_model_calls,
+            "policy_fault_reward": recipe.rollout.policy_fault_reward,
+        }
         if task.environment == "agentic":
-            resources = GymServerSpec(
-                name,
-                "resources_servers",
-                name,
-                {"domain": "agent", "answer_format": task.answer_format, "tool_call_cost": task.tool_call_cost},
-            )
-            agent = GymServerSpec(
-                AGENT_SERVER,
-                "responses_api_agents",
-                "video_tools_agent",
-                {
-                    "resources_server": resources.ref(),
-                    "model_server": model.ref(),
-                    "max_steps": task.max_model_calls,
-                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
-                    "first_call_params": first_call,
-                },
-            )
+            resources_fields["tool_call_cost"] = task.tool_call_cost
+            if recipe.rollout.first_turn_tool_call:  # the model server merges metadata.extra_body
+                first = choice_request_body(turn_choices(recipe)[0])
+                agent_fields["first_call_params"] = {"metadata": {"extra_body": json.dumps(first)}}
         elif task.environment == "segments":
-            resources = GymServerSpec(
-                name, "resources_servers", name, {"domain": "agent", "answer_format": task.answer_format}
-            )
-            agent = GymServerSpec(
-                AGENT_SERVER,
-                "responses_api_agents",
-                "video_tools_agent",
-                {
-                    "resources_server": resources.ref(),
-                    "model_server": model.ref(),
-                    "max_steps": task.max_model_calls,
-                    "observation_route": _NEXT_SEGMENT_ROUTE,
-                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
-                },
-            )
-        else:
-            resources = GymServerSpec(
-                name, "resources_servers", name, {"domain": "knowledge", "answer_format": task.answer_format}
-            )
-            agent = GymServerSpec(
-                AGENT_SERVER,
-                "responses_api_agents",
-                "video_tools_agent",
-                {
-                    "resources_server": resources.ref(),
-                    "model_server": model.ref(),
-                    "max_steps": 1,
-                    "policy_fault_reward": recipe.rollout.policy_fault_reward,
-                },
-            )
+            agent_fields["observation_route"] = _NEXT_SEGMENT_ROUTE
+        resources = GymServerSpec(name, "resources_servers", name, resources_fields)
+        agent = GymServerSpec(
+            AGENT_SERVER,
+            "responses_api_agents",
+            "video_tools_agent",
+            {"resources_server": resources.ref(), "model_server": model.ref(), **agent_fields},
+        )
         return [model, resources, agent], AGENT_SERVER
 
 

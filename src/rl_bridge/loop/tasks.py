@@ -136,7 +136,10 @@ def task_rows(
     (:func:`gym_video_env.environments.video_segments_rows`) carry ``task_id``, ``segments``,
     ``options`` and ``answer``; they keep the ``watch_segment`` tool with ``tool_choice: "none"``
     (the loop's vLLM runs without a tool-call parser), so each clip arrives through the
-    environment's ``/next_segment`` observation after a model turn.
+    environment's ``/next_segment`` observation after a model turn. ``agentic`` rows
+    (:func:`gym_video_env.environments.video_segment_question_rows`): the question names one
+    segment; ``held_out`` rows never show its clip in the prompt (``task.shown_segment_fraction``
+    applies to training rows only).
 
     Raises:
         ValueError: ``n < 1``.

@@ -49,6 +49,7 @@ _LETTERS: Final = "ABCDEFGH"
 # Mixed into the seed so that segment questions do not reuse the clips of video_mcqa rows.
 _SEGMENTS_STREAM: Final = 101
 _SEGMENT_QUESTION_STREAM: Final = 102
+_SAME_COLOUR_STREAM: Final = 103
 
 
 def mcqa_row(
@@ -216,6 +217,7 @@ def video_segment_question_rows(
     config: ClipConfig | None = None,
     instruction: str = BOXED_INSTRUCTION,
     shown_fraction: float = 0.0,
+    same_colour_fraction: float = 0.0,
     subdir: str = "video_segment_question",
 ) -> list[dict[str, Any]]:
     """``n`` rows whose question names one segment of a video the prompt does not show.
@@ -236,10 +238,16 @@ def video_segment_question_rows(
     perception data: a model that cannot yet read a clip learns to, while the other rows teach it
     to ask for the clip it needs.
 
+    With ``same_colour_fraction`` > 0, about that fraction of the rows (chosen with ``seed``) fill
+    every segment with the named colour (``same_colour: true``): any call shows the answer, in the
+    turn and the position where the task shows it. Mixed into training rows they teach a model that
+    cannot yet read a clip to read the one a call returns; the rows of distinct colours teach it
+    which segment to ask for, a choice that pays only once it can read the clip.
+
     Raises:
         ValueError: ``n < 1``, fewer than 2 segments, more segments than colours,
             ``num_options`` outside ``[num_segments, number of colours]``, or ``shown_fraction``
-            outside ``[0, 1]``.
+            or ``same_colour_fraction`` outside ``[0, 1]``.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1 row, got {n}")
@@ -250,8 +258,9 @@ def video_segment_question_rows(
             f"num_options must be between num_segments={num_segments} and {len(SATURATED_COLOURS)}, "
             f"got {num_options}"
         )
-    if not 0.0 <= shown_fraction <= 1.0:
-        raise ValueError(f"shown_fraction must be in [0, 1], got {shown_fraction}")
+    for name, fraction in (("shown_fraction", shown_fraction), ("same_colour_fraction", same_colour_fraction)):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {fraction}")
     config = config or ClipConfig()
     out_dir = Path(media_root) / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,8 +276,12 @@ def video_segment_question_rows(
         rng = np.random.default_rng([seed, row, _SEGMENT_QUESTION_STREAM])
         colours = [SATURATED_COLOURS[i] for i in rng.choice(len(SATURATED_COLOURS), num_segments, replace=False)]
         named = int(rng.integers(num_segments)) + 1
+        # A stream of its own: rows without same-colour segments stay what they were.
+        same = bool(np.random.default_rng([seed, row, _SAME_COLOUR_STREAM]).random() < same_colour_fraction)
+        if same:
+            colours = [colours[named - 1]] * num_segments
         others = [c for c in SATURATED_COLOURS if c not in colours]
-        extra = [others[i] for i in rng.choice(len(others), num_options - num_segments, replace=False)]
+        extra = [others[i] for i in rng.choice(len(others), num_options - len(set(colours)), replace=False)]
         shown = bool(rng.random() < shown_fraction)
         texts = sorted({*colours, *extra})
         letters = _LETTERS[: len(texts)]
@@ -289,6 +302,7 @@ def video_segment_question_rows(
                 "segments": [clips[colour] for colour in colours],
                 "named_segment": named,
                 "shown_segment": named if shown else None,
+                "same_colour": same,
                 "options": options,
                 "answer": next(letter for letter, text in options.items() if text == colours[named - 1]),
             }

@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "ConstraintError",
     "GrammarMasks",
+    "canonical_action_tokens",
     "choice_request_body",
     "unpack_bitmask",
 ]
@@ -47,6 +48,53 @@ class ConstraintError(ValueError):
 def choice_request_body(choices: Sequence[str]) -> dict[str, Any]:
     """The chat-completion fields that make vLLM decode exactly one of ``choices``."""
     return {"structured_outputs": {"choice": list(choices)}}
+
+
+def _spellings(text: str, pieces: dict[int, str]) -> int:
+    """How many sequences of ``pieces`` (token id -> its text) spell ``text`` exactly."""
+    ways = [1] + [0] * len(text)
+    for start in range(len(text)):
+        if ways[start]:
+            for piece in pieces.values():
+                if piece and text.startswith(piece, start):
+                    ways[start + len(piece)] += ways[start]
+    return ways[-1]
+
+
+def canonical_action_tokens(model_dir: str | Path, choices: Sequence[str]) -> list[int]:
+    """The tokens that spell each of ``choices`` one way only: the tokenizer's own encoding of every
+    choice, plus its end token (one stop token, so the end is spelled one way too).
+
+    A grammar over characters lets a model spell an action in any tokenisation that decodes to it:
+    a byte-level vocabulary offers millions of spellings of a 60-character tool call. Sent as vLLM's
+    ``allowed_token_ids`` beside the structured-outputs choice, this set leaves the spelling the
+    chat template writes when it re-renders the action in the next prompt, so a trajectory stays
+    one token sequence, and every position of an action but its decisions (which action, which
+    argument) has one allowed token, probability 1 and no gradient. The trainer computes its
+    logprobs over the same tokens (``PolicyConfig.token_support``).
+
+    Raises:
+        ValueError: ``choices`` is empty, the tokenizer has no end token, or a choice has more than
+            one spelling over the set (the message names it and the count).
+    """
+    from transformers import AutoTokenizer
+
+    if not choices:
+        raise ValueError("canonical_action_tokens: choices must not be empty")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"canonical_action_tokens: the tokenizer of {model_dir} has no end token")
+    tokens = {int(token) for choice in choices for token in tokenizer.encode(choice, add_special_tokens=False)}
+    pieces = {token: tokenizer.decode([token]) for token in tokens}
+    for choice in choices:
+        spellings = _spellings(choice, pieces)
+        if spellings != 1:
+            raise ValueError(
+                f"action {choice!r} has {spellings} spellings over the tokens of the actions' own "
+                f"encodings in {model_dir}'s tokenizer, not one: its vocabulary needs merges that "
+                "cover the action (see rl_bridge.tiny_models.tokenizer)"
+            )
+    return sorted(tokens | {int(tokenizer.eos_token_id)})
 
 
 def _stop_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:

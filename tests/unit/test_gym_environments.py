@@ -134,6 +134,23 @@ def test_a_shown_fraction_of_segment_questions_carries_the_named_clip(tmp_path: 
         video_segment_question_rows(tmp_path, 1, seed=0, num_segments=3, num_options=2)
 
 
+def test_a_same_colour_fraction_of_segment_questions_shows_the_answer_in_every_segment(tmp_path: Path) -> None:
+    plain = video_segment_question_rows(tmp_path, 40, seed=5, num_segments=3)
+    rows = video_segment_question_rows(tmp_path, 40, seed=5, num_segments=3, same_colour_fraction=0.5)
+    same = [row for row in rows if row["same_colour"]]
+    assert 10 <= len(same) <= 30 and not any(row["same_colour"] for row in plain)
+    for row, before in zip(rows, plain, strict=True):
+        colours = [_clip_colour(tmp_path / segment) for segment in row["segments"]]
+        assert row["options"][row["answer"]] == colours[row["named_segment"] - 1]
+        assert len(row["options"]) == 6 and list(row["options"].values()) == sorted(row["options"].values())
+        if row["same_colour"]:
+            assert len(set(colours)) == 1  # any call shows the answer
+        else:  # the other rows are the ones drawn without the option
+            assert row == before and len(set(colours)) == 3
+    with pytest.raises(ValueError, match="same_colour_fraction"):
+        video_segment_question_rows(tmp_path, 1, seed=0, same_colour_fraction=-0.1)
+
+
 def test_rows_are_deterministic_and_round_trip_jsonl(tmp_path: Path) -> None:
     first = video_segments_rows(tmp_path / "a", 2, seed=5)
     second = video_segments_rows(tmp_path / "b", 2, seed=5)

@@ -71,8 +71,12 @@ def test_the_agentic_environment_s_settings_are_checked() -> None:
         load_recipe(None, ["rollout.constrain_actions=true"])
     with pytest.raises(pydantic.ValidationError, match="apply to task.environment='agentic' only"):
         load_recipe(None, ["task.tool_call_cost=0.1"])
+    with pytest.raises(pydantic.ValidationError, match="apply to task.environment='agentic' only"):
+        load_recipe(None, ["task.same_colour_fraction=0.5"])
     with pytest.raises(pydantic.ValidationError, match="first_turn_tool_call needs rollout.constrain_actions"):
         load_recipe(agentic, ["rollout.constrain_actions=false"])
+    with pytest.raises(pydantic.ValidationError, match="canonical_actions needs rollout.constrain_actions"):
+        load_recipe(agentic, ["rollout.constrain_actions=false", "rollout.first_turn_tool_call=false"])
     with pytest.raises(pydantic.ValidationError, match="num_segments >= 2"):
         load_recipe(agentic, ["task.num_segments=1"])
     with pytest.raises(pydantic.ValidationError, match="writes the tool calls it allows in the hermes format"):

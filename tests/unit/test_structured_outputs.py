@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from rl_bridge.loop.tasks import hermes_tool_call
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.logprobs import token_logprobs
-from rl_bridge.structured_outputs import ConstraintError, GrammarMasks, choice_request_body, unpack_bitmask
+from rl_bridge.structured_outputs import (
+    ConstraintError,
+    GrammarMasks,
+    canonical_action_tokens,
+    choice_request_body,
+    unpack_bitmask,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -80,6 +86,52 @@ def test_a_token_the_grammar_forbids_is_a_constraint_error(tokenizer_dir: Path) 
     with pytest.raises(ConstraintError, match="position 0"):
         grammar.bitmasks([tokenizer.convert_tokens_to_ids("D")])
     assert choice_request_body(CHOICES) == {"structured_outputs": {"choice": CHOICES}}
+
+
+def test_canonical_action_tokens_leave_one_spelling_per_action_under_the_grammar(tokenizer_dir: Path) -> None:
+    """Grammar masks intersected with the canonical set allow one token at every position of an
+    action but its decisions: the first token (which action) and the segment number."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    support = set(canonical_action_tokens(tokenizer_dir, CHOICES))
+    grammar = GrammarMasks(tokenizer_dir, CHOICES)
+    call = tokenizer.encode(CHOICES[4], add_special_tokens=False)
+    assert len(call) <= 21  # the tokenizer's merges cover the call's JSON pieces
+    allowed = [row & support for row in _allowed(grammar.bitmasks([*call, tokenizer.eos_token_id]), grammar.vocab_size)]
+    decisions = [i for i, row in enumerate(allowed) if len(row) > 1]
+    letters = {tokenizer.convert_tokens_to_ids(letter) for letter in "ABC"}
+    assert allowed[0] == letters | {tokenizer.convert_tokens_to_ids("<tool_call>")}
+    digit = next(i for i, token in enumerate(call) if tokenizer.decode([token]).strip() == "2")
+    assert {tokenizer.decode([t]).strip() for t in allowed[digit]} == {"1", "2"}
+    assert decisions == [0, digit]
+    assert allowed[-1] == {tokenizer.eos_token_id}  # one end token: the end is spelled one way
+    # The spelling left is the one the chat template writes when it re-renders the call.
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "watch_segment", "arguments": {"segment": 2}}}],
+            },
+        ],
+        tokenize=True,
+        return_dict=False,
+    )
+    assert _contains(list(rendered), call)
+
+
+def _contains(sequence: list[int], part: list[int]) -> bool:
+    return any(sequence[i : i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
+
+
+def test_canonical_action_tokens_refuse_a_vocabulary_that_leaves_two_spellings(tokenizer_dir: Path) -> None:
+    # "segment" is one merged token; its letters, as actions of their own, spell it again.
+    with pytest.raises(ValueError, match=r"'segment' has 2 spellings over the tokens"):
+        canonical_action_tokens(tokenizer_dir, ["segment", "s", "e", "g", "m", "n", "t"])
+    with pytest.raises(ValueError, match="must not be empty"):
+        canonical_action_tokens(tokenizer_dir, [])
 
 
 @settings(max_examples=25, deadline=None)

@@ -236,6 +236,12 @@ class TaskSection(_Section):
     """``agentic``: fraction of the training rows whose prompt already shows the named segment's
     clip (answerable without a call, where a call only costs): perception data mixed in, so a
     random model learns to read a clip while it learns to ask for one. Held-out rows never show it."""
+    same_colour_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """``agentic``: fraction of the training rows whose segments all show the named colour, so that
+    any call returns the answer's clip in the turn where the task shows it: a random model learns
+    to read the clip a call brings back (which the rows of distinct colours reward only through
+    the right call) while those rows teach it which segment to ask for. Held-out rows never have
+    it."""
     tool_call_cost: float = Field(0.0, ge=0.0)
     """``agentic``: subtracted from the reward per tool call, so the policy must learn which call
     to make and when to stop calling (``val/accuracy`` counts correct answers, not reward)."""
@@ -286,9 +292,11 @@ class TaskSection(_Section):
             raise ValueError("task.bad_row_fraction applies to task.environment='mcqa' rows only")
         if self.environment == "agentic" and self.num_segments < 2:
             raise ValueError("task.environment='agentic' needs task.num_segments >= 2 (a choice of segment)")
-        if (self.tool_call_cost or self.shown_segment_fraction) and self.environment != "agentic":
+        agentic_only = ("tool_call_cost", "shown_segment_fraction", "same_colour_fraction")
+        if any(getattr(self, name) for name in agentic_only) and self.environment != "agentic":
             raise ValueError(
-                "task.tool_call_cost and task.shown_segment_fraction apply to task.environment='agentic' only"
+                "task.tool_call_cost, task.shown_segment_fraction and task.same_colour_fraction apply "
+                "to task.environment='agentic' only"
             )
         return self
 
@@ -323,6 +331,15 @@ class RolloutSection(_Section):
     trajectory starts with an action instead of a blind answer (sent by ``video_tools_agent`` with
     the first call; the trainer replays that turn under the same choice). Later turns choose
     between answering and calling again."""
+    canonical_actions: bool = False
+    """With ``constrain_actions``: each action is decoded in one spelling only, the tokenizer's own
+    encoding (the one the chat template writes when it re-renders a tool call in the next prompt):
+    vLLM's ``allowed_token_ids`` holds the tokens of the actions' encodings and the end token
+    (:func:`~rl_bridge.structured_outputs.canonical_action_tokens`, which refuses a vocabulary
+    that would still leave two spellings), and the trainer computes its logprobs over the same
+    tokens. Without it a grammar over characters lets a random model spell a call in many
+    tokenisations: its trajectory splits where the template re-renders the call, and the gradient
+    is spread over spelling choices that mean nothing."""
     policy_fault_reward: float = 0.0
     """Reward of a rollout the policy itself made fail: a multi-turn context that outgrew
     ``model.max_model_len`` (the trajectory so far is trained with this reward). Such rollouts stay
@@ -506,6 +523,8 @@ class Recipe(_Section):
             raise ValueError("rollout.constrain_actions applies to task.environment='agentic' only")
         if self.rollout.first_turn_tool_call and not self.rollout.constrain_actions:
             raise ValueError("rollout.first_turn_tool_call needs rollout.constrain_actions")
+        if self.rollout.canonical_actions and not self.rollout.constrain_actions:
+            raise ValueError("rollout.canonical_actions needs rollout.constrain_actions")
         if self.task.environment == "agentic" and self.model.tool_parser is None:
             raise ValueError(
                 f"task.environment='agentic' needs vLLM to parse tool calls: model.family="

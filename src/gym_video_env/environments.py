@@ -291,7 +291,11 @@ def video_segment_question_rows(
         question = f"Which colour fills segment {named}?"
         if shown:
             question = f"Video segment {named} is shown here. {question}"
-        prompt = "\n".join([question, *(f"{letter}. {text}" for letter, text in options.items())])
+        # The options come first and the question last, right before the fixed instruction: the
+        # segment number then sits the same number of tokens before the model's call in every
+        # row, a position one attention head can learn to copy from (after options of varying
+        # length it moves from row to row).
+        prompt = "\n".join([*(f"{letter}. {text}" for letter, text in options.items()), question])
         content: list[dict[str, Any]] = [{"type": "input_video", "video_url": clips[colours[named - 1]]}] if shown else []
         content.append({"type": "input_text", "text": f"{prompt}\n{instruction}"})
         rows.append(

@@ -204,3 +204,18 @@ def test_verifier_metrics_count_correct_answers_and_calls_to_the_named_segment()
     no_calls = verifier_metrics([scored(0, correct=False, tool_calls=0, named_segment_calls=0)], "rollout")
     assert no_calls["rollout/tool_calls_per_sample"] == 0.0 and math.isnan(no_calls["rollout/tool_call_precision"])
     assert verifier_metrics([scored(0)], "val") == {}  # a verifier whose reward is the grade
+
+
+def test_first_call_entropy_tells_a_spread_choice_from_a_collapsed_one() -> None:
+    from rl_bridge.loop.controller import verifier_metrics
+
+    def called(*watched: int) -> RolloutResult:
+        fields = {"correct": False, "tool_calls": len(watched), "named_segment_calls": 0}
+        return RolloutResult(0, "ok", 1, result={"reward": 0.0, "segments": ["a", "b", "c"], "watched_segments": list(watched), **fields})
+
+    spread = verifier_metrics([called(1), called(2, 1), called(3)], "rollout")
+    assert spread["rollout/first_call_entropy"] == pytest.approx(1.0)  # first calls 1, 2, 3
+    collapsed = verifier_metrics([called(2), called(2, 3), called(2)], "rollout")
+    assert collapsed["rollout/first_call_entropy"] == pytest.approx(0.0)
+    half = verifier_metrics([called(1), called(2), called()], "rollout")  # the sample without a call is left out
+    assert half["rollout/first_call_entropy"] == pytest.approx(math.log(2) / math.log(3))

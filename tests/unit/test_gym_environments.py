@@ -107,6 +107,11 @@ def test_video_segments_rows_can_be_canonical_and_whole(tmp_path: Path) -> None:
 def test_a_segment_question_needs_the_named_segment_s_clip(tmp_path: Path) -> None:
     rows = video_segment_question_rows(tmp_path, 24, seed=2, num_segments=3, num_options=5)
     assert {row["named_segment"] for row in rows} == {1, 2, 3}
+    texts = [row["responses_create_params"]["input"][0]["content"][0]["text"] for row in rows]
+    # The named segment is the prompt's only number, and the text after it is the same in every
+    # row: it sits a fixed distance before the model's call.
+    assert [[c for c in text if c.isdigit()] for text in texts] == [[str(row["named_segment"])] for row in rows]
+    assert len({text.split(f"segment {row['named_segment']}")[1] for text, row in zip(texts, rows)}) == 1
     for row in rows:
         params = row["responses_create_params"]
         assert params["tool_choice"] == "auto" and params["tools"][0]["name"] == "watch_segment"

@@ -22,6 +22,7 @@ import math
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,7 +126,11 @@ def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str,
     with no calls): ``<prefix>/accuracy`` when it reports ``correct`` (the reward may include
     costs), and with tool calls ``<prefix>/tool_calls_per_sample`` and
     ``<prefix>/tool_call_precision`` (the fraction of calls that asked for the segment the question
-    names; NaN when no call was made)."""
+    names; NaN when no call was made), and with the segments each sample watched
+    ``<prefix>/first_call_entropy``: the entropy of the first watched segment over the samples that
+    watched one, divided by the log of the number of segments (1 when the first calls spread evenly
+    over the segments, as they do for a policy that asks for the named one of a uniformly named
+    segment; 0 when every sample asks for the same segment, a collapsed choice)."""
     answers = [res.result or {} for res in results]
     metrics: dict[str, float] = {}
     if not answers:
@@ -138,6 +143,12 @@ def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str,
         metrics[f"{prefix}/tool_calls_per_sample"] = calls / len(answers)
         if any(a.get("named_segment_calls") is not None for a in answers):
             metrics[f"{prefix}/tool_call_precision"] = named / calls if calls else math.nan
+    first = Counter(a["watched_segments"][0] for a in answers if a.get("watched_segments"))
+    segments = max((len(a.get("segments") or ()) for a in answers), default=0)
+    if first and segments > 1:
+        counts = torch.tensor(list(first.values()), dtype=torch.float64)
+        probs = counts / counts.sum()
+        metrics[f"{prefix}/first_call_entropy"] = float(-(probs * probs.log()).sum() / math.log(segments))
     return metrics
 
 
@@ -341,6 +352,7 @@ class Controller:
             "rollout/accuracy",
             "rollout/tool_calls_per_sample",
             "rollout/tool_call_precision",
+            "rollout/first_call_entropy",
         )
         for name in averaged:
             if name in totals:

@@ -102,6 +102,9 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
 def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     """Start vLLM, the Gym servers and the policy on this host; ``stack`` stops them.
 
+    vLLM loads while the Gym servers and the policy start (they need its URL, not its answers): the
+    run waits for the slowest of them rather than for their sum.
+
     Raises:
         rl_bridge.services.process.ServiceError: a server did not start.
     """
@@ -113,10 +116,8 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
 
     run_dir = recipe.run_dir.resolve()
     vllm = stack.enter_context(
-        start_vllm_server(vllm_config(recipe, data), log_dir=run_dir / "logs" / "vllm")
+        start_vllm_server(vllm_config(recipe, data), log_dir=run_dir / "logs" / "vllm", wait=False)
     )
-    supervisor = ServiceSupervisor(vllm)
-    stack.enter_context(supervisor.watch())
     specs, agent = data.gym_specs(recipe, openai_url=vllm.openai_url, model_name=vllm.model_name)
     gym = stack.enter_context(
         start_gym_servers(
@@ -132,6 +133,9 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         if needs_reference(recipe.train.loss)
         else None
     )
+    vllm.wait_until_healthy()
+    supervisor = ServiceSupervisor(vllm)
+    stack.enter_context(supervisor.watch())
     return Roles(
         vllm_base_url=vllm.base_url,
         agent_url=gym.url(agent),

@@ -15,6 +15,7 @@ records (logger ``vllm_video_plugin``) into that log alongside vLLM's::
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -220,9 +221,11 @@ class VLLMServer:
     #: ``http://127.0.0.1:PORT`` (``/health``, dev endpoints).
     base_url: str
     process: ManagedProcess
-    #: Seconds from the latest launch (or :meth:`restart`) until ``/health`` answered.
+    #: Seconds from the latest launch (or :meth:`restart`) until ``/health`` answered; NaN until
+    #: it has (a launch with ``wait=False``).
     startup_s: float
     model_name: str = field(init=False)
+    _launched_at: float = field(default_factory=time.monotonic, repr=False)
 
     def __post_init__(self) -> None:
         self.model_name = self.config.model_name
@@ -241,6 +244,24 @@ class VLLMServer:
     def log_path(self) -> Path:
         """The server's combined stdout/stderr log."""
         return self.process.log_path
+
+    def wait_until_healthy(self) -> None:
+        """Block until ``/health`` answers, for a server launched with ``wait=False``; sets
+        :attr:`startup_s` (seconds from the launch). A no-op once the server was healthy.
+
+        Raises:
+            rl_bridge.services.process.ServiceError: the server exited or was not healthy within
+                ``config.startup_timeout_s`` of its launch; it is stopped before this is raised.
+        """
+        if not math.isnan(self.startup_s):
+            return
+        remaining = self.config.startup_timeout_s - (time.monotonic() - self._launched_at)
+        try:
+            wait_for_http(self.health_url, timeout_s=max(remaining, 1.0), process=self.process)
+        except BaseException:
+            self.process.stop()
+            raise
+        self.startup_s = time.monotonic() - self._launched_at
 
     def restart(self) -> None:
         """Stop the server's process group and start the same command again, on the same port.
@@ -278,8 +299,13 @@ def start_vllm_server(
     log_dir: str | os.PathLike[str],
     python: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
+    wait: bool = True,
 ) -> VLLMServer:
     """Launch a server for ``config`` and wait until ``/health`` answers.
+
+    With ``wait=False`` it returns once the process is launched (its URLs are known then), so
+    that the caller can start what does not need vLLM's answers (Gym servers, the policy) while
+    vLLM loads, and call :meth:`VLLMServer.wait_until_healthy` before the first request.
 
     Args:
         config: Server options.
@@ -310,9 +336,9 @@ def start_vllm_server(
         log_path=log_dir / "vllm.log",
         env={**server_env(config, logging_config_path=logging_config_path), **(env or {})},
     )
-    try:
-        wait_for_http(f"{base_url}/health", timeout_s=config.startup_timeout_s, process=process)
-    except BaseException:
-        process.stop()
-        raise
-    return VLLMServer(config=config, base_url=base_url, process=process, startup_s=time.monotonic() - started)
+    server = VLLMServer(
+        config=config, base_url=base_url, process=process, startup_s=math.nan, _launched_at=started
+    )
+    if wait:
+        server.wait_until_healthy()
+    return server

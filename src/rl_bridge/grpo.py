@@ -115,6 +115,14 @@ class GRPOLossConfig(BaseModel):
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator, see :func:`kl_estimate`."""
 
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of an entropy bonus: ``loss -= entropy_coef * agg(H)``, with ``H`` each trained
+    token's entropy (nats) of the distribution it was sampled from (after temperature, over the
+    sampling support and grammar masks), aggregated like the policy gradient. It keeps the policy
+    from turning deterministic before the reward has taught it (PPO's entropy term, Schulman et al.
+    2017; verl's ``entropy_coeff``). A departure from the textbook GRPO loss, off by default;
+    ``loss/entropy`` is reported whether or not it is on."""
+
     use_importance_sampling: bool = True
     """With ``proximal_policy="trainer"``, weight each token's policy-gradient term by
     ``pi_old / mu`` when vLLM's ``behaviour_logprobs`` are given (off-policy correction for
@@ -460,15 +468,17 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,
     sample_weights: Tensor | None = None,
     normalizer: float | Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped GRPO policy-gradient loss with optional KL penalty and truncated IS correction.
+    """Clipped GRPO policy-gradient loss with optional KL penalty, entropy bonus and truncated IS
+    correction.
 
     Per valid token, with ``ratio = exp(logprobs - proximal)``::
 
         pg   = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
         is_w = min(exp(pi_old - behaviour_logprobs), tis_cap)   # detached; 1 if unused
         kl   = kl_estimate(logprobs, ref_logprobs)              # only if kl_coef > 0
-        loss = agg(is_w * pg) + kl_coef * agg(kl)
+        loss = agg(is_w * pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
 
     ``proximal`` is, with ``config.proximal_policy="trainer"``, ``old_logprobs`` when given and
     otherwise ``logprobs.detach()`` (one optimizer step per rollout batch: the weights have not
@@ -499,12 +509,15 @@ def grpo_loss(
         normalizer: the aggregation's denominator. None: this call's own
             :func:`loss_denominator`. Pass the sum of :func:`loss_denominator` over the whole
             step's micro-batches (and data-parallel ranks), so the parts sum to the step's loss.
+        entropy: ``[B, T]`` each position's entropy of the current policy (with gradient);
+            required if and only if ``entropy_coef > 0``; when given, ``loss/entropy`` is reported.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss, and detached 0-dim float tensors keyed
         ``loss/total``, ``loss/pg``, ``clip/frac_low``, ``clip/frac_high``, ``clip/frac``,
         ``ratio/mean``, ``tokens/valid``; with ``kl_coef > 0`` also ``loss/kl`` (mean KL estimate
-        over valid tokens); with IS weights also ``is/weight_mean``, ``is/frac_truncated``; with
+        over valid tokens); with ``entropy`` also ``loss/entropy`` (its mean over valid tokens);
+        with IS weights also ``is/weight_mean``, ``is/frac_truncated``; with
         ``behaviour_logprobs`` also ``mismatch/token_mult_prob_error``,
         ``mismatch/seq_mult_prob_error`` (mean over sequences), ``mismatch/seq_mult_prob_error_max``,
         ``mismatch/max_abs_logprob_diff``. Token fractions and means are over this call's valid
@@ -515,7 +528,8 @@ def grpo_loss(
 
     Raises:
         ValueError: a shape mismatch (naming the input), ``proximal_policy="behaviour"`` without
-            ``behaviour_logprobs``, or ``kl_coef > 0`` without ``ref_logprobs``.
+            ``behaviour_logprobs``, ``kl_coef > 0`` without ``ref_logprobs``, or
+            ``entropy_coef > 0`` without ``entropy``.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -538,6 +552,10 @@ def grpo_loss(
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={config.kl_coef} > 0 needs ref_logprobs; got None")
         _check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} > 0 needs the policy's entropy; got None")
+    if entropy is not None:
+        _check_shape("entropy", entropy, logprobs.shape)
     if sample_weights is None:
         weights = logprobs.new_ones(batch_size)
     else:
@@ -598,6 +616,12 @@ def grpo_loss(
             per_token_kl, token_weights, valid, config.loss_agg_mode, normalizer
         )
 
+    if config.entropy_coef > 0:
+        assert entropy is not None  # checked above
+        loss = loss - config.entropy_coef * _aggregate(
+            entropy, token_weights, valid, config.loss_agg_mode, normalizer
+        )
+
     with torch.no_grad():
         clipped_low = (ratio < 1 - config.eps_low) & (adv < 0)
         clipped_high = (ratio > 1 + config.eps_high) & (adv > 0)
@@ -610,6 +634,8 @@ def grpo_loss(
         metrics["tokens/valid"] = valid.sum().float()
         if per_token_kl is not None:
             metrics["loss/kl"] = _masked_mean(per_token_kl, valid)
+        if entropy is not None:
+            metrics["loss/entropy"] = _masked_mean(entropy, valid)
     return loss, metrics
 
 

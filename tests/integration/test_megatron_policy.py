@@ -387,6 +387,25 @@ for name, support in (("support", torch.tensor([1, 4, 7, 9])), ("support_one_sha
     reference = torch.log_softmax(masked / temperature, dim=-1).gather(-1, picked[:, None])[:, 0]
     (reference * upstream).sum().backward()
     result[name] = max((values - reference).abs().max().item(), (shard.grad - full.grad[:, local]).abs().max().item())
+# The entropy of the same distributions, with its gradient, over the vocabulary and each support.
+entropy_upstream = torch.randn(rows, generator=generator)
+for name, support in (("entropy", None), ("entropy_support", torch.tensor([1, 4, 7, 9])),
+                      ("entropy_support_one_shard", torch.tensor([0, 2]))):
+    picked = targets if support is None else support[torch.randint(0, len(support), (rows,), generator=generator)]
+    shard = logits[:, local].clone().requires_grad_()
+    values, entropy = token_logprobs(shard, picked, vocab_size=vocab, temperature=temperature,
+                                     tp_group=dist.group.WORLD, support=support, max_chunk_elements=12,
+                                     return_entropy=True)
+    (values * upstream + entropy * entropy_upstream).sum().backward()
+    full = logits.clone().requires_grad_()
+    masked = torch.full_like(full, -1e4)  # probability exactly 0, no inf arithmetic
+    columns = torch.arange(vocab) if support is None else support
+    masked[:, columns] = full[:, columns]
+    log_p = torch.log_softmax(masked / temperature, dim=-1)
+    reference = log_p.gather(-1, picked[:, None])[:, 0]
+    naive_entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    (reference * upstream + naive_entropy * entropy_upstream).sum().backward()
+    result[name] = max((entropy - naive_entropy).abs().max().item(), (shard.grad - full.grad[:, local]).abs().max().item())
 print(json.dumps(result))
 dist.destroy_process_group()
 """
@@ -394,7 +413,7 @@ dist.destroy_process_group()
 
 def test_vocab_parallel_logprobs_equal_the_full_log_softmax() -> None:
     """Tensor-parallel path of token_logprobs (all-reduces, shard offsets, padding, chunks, temperature,
-    a support over both shards and one held by one shard only)."""
+    a support over both shards and one held by one shard only), and of its entropy with gradient."""
     port = str(free_port())
     workers = [
         subprocess.Popen(
@@ -414,6 +433,10 @@ def test_vocab_parallel_logprobs_equal_the_full_log_softmax() -> None:
             result,
         )
         assert result["support"] <= 1e-6 and result["support_one_shard"] <= 1e-6, (rank, result)
+        assert max(result[k] for k in ("entropy", "entropy_support", "entropy_support_one_shard")) <= 1e-5, (
+            rank,
+            result,
+        )
 
 
 def test_collate_pads_right_concatenates_media_and_checks_placeholders() -> None:

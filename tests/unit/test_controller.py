@@ -219,3 +219,6 @@ def test_first_call_entropy_tells_a_spread_choice_from_a_collapsed_one() -> None
     assert collapsed["rollout/first_call_entropy"] == pytest.approx(0.0)
     half = verifier_metrics([called(1), called(2), called()], "rollout")  # the sample without a call is left out
     assert half["rollout/first_call_entropy"] == pytest.approx(math.log(2) / math.log(3))
+    pushed = called(1)  # a segment the environment pushed (/next_segment), no call: not a choice
+    pushed.result["tool_calls"] = 0
+    assert "rollout/first_call_entropy" not in verifier_metrics([pushed, pushed], "rollout")

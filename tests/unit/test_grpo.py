@@ -309,6 +309,26 @@ def test_kl_term_is_not_importance_weighted() -> None:
     assert loss.item() == pytest.approx(3 * 1.6 / 5 + 0.1 * mean_k3)
 
 
+def test_entropy_bonus_enters_the_loss_with_its_coefficient_and_is_off_by_default() -> None:
+    entropy = torch.linspace(0.1, 1.0, MASK.numel()).reshape(MASK.shape).requires_grad_()
+    mean_entropy = entropy[MASK].mean().item()
+    plain, metrics = grpo_loss(_current(), ADV, MASK, CLIP, old_logprobs=OLD, entropy=entropy)
+    assert metrics["loss/entropy"].item() == pytest.approx(mean_entropy)  # the metric without the bonus
+    assert plain.item() == pytest.approx(1.6 / 5)
+    plain.backward()
+    assert entropy.grad is None  # not part of the loss
+    bonus = CLIP.model_copy(update={"entropy_coef": 0.01})
+    loss, metrics = grpo_loss(_current(), ADV, MASK, bonus, old_logprobs=OLD, entropy=entropy)
+    # token-mean over the valid tokens, subtracted: more entropy, lower loss
+    assert loss.item() == pytest.approx(1.6 / 5 - 0.01 * mean_entropy)
+    loss.backward()
+    expected = torch.where(MASK, -0.01 / MASK.sum(), 0.0)
+    torch.testing.assert_close(entropy.grad, expected.to(entropy.grad.dtype))
+    assert GRPOLossConfig().entropy_coef == 0.0
+    with pytest.raises(ValueError, match="entropy_coef=0.01 > 0 needs the policy's entropy"):
+        grpo_loss(_current(), ADV, MASK, bonus, old_logprobs=OLD)
+
+
 def test_reference_is_needed_only_with_a_kl_weight() -> None:
     assert not needs_reference(GRPOLossConfig())
     assert needs_reference(GRPOLossConfig(kl_coef=0.01))

@@ -1,4 +1,5 @@
-"""token_logprobs without tensor parallelism: against the naive log-softmax, over the vocabulary or a support."""
+"""token_logprobs without tensor parallelism: against the naive log-softmax, over the vocabulary or a support,
+and its entropy."""
 
 from __future__ import annotations
 
@@ -53,3 +54,49 @@ def test_a_target_outside_the_support_is_refused() -> None:
         token_logprobs(torch.zeros(2, 5), torch.tensor([1, 3]), vocab_size=5, support=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="support must be"):
         token_logprobs(torch.zeros(1, 5), torch.tensor([1]), vocab_size=5, support=torch.tensor([1, 7]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 7),
+    temperature=st.floats(0.2, 2.0),
+    support_size=st.integers(1, 11),
+    chunk=st.integers(1, 64),
+    masked_rows=st.booleans(),
+)
+def test_entropy_equals_the_naive_entropy_of_the_sampling_distribution(
+    seed: int, rows: int, temperature: float, support_size: int, chunk: int, masked_rows: bool
+) -> None:
+    """``return_entropy``: the entropy (and its gradient) of the distribution the logprobs are of,
+    under a support and per-row grammar masks; a row with one allowed token has entropy 0."""
+    vocab, padded = 11, 12
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, padded, generator=generator) * 3
+    support = torch.randperm(vocab, generator=generator)[:support_size]
+    targets = support[torch.randint(0, support_size, (rows,), generator=generator)]
+    allowed = None
+    if masked_rows:
+        allowed = torch.rand(rows, vocab, generator=generator) < 0.5
+        allowed[torch.arange(rows), targets] = True
+    upstream = torch.randn(rows, generator=generator)
+    fast_in = logits.clone().requires_grad_()
+    values, entropy = token_logprobs(
+        fast_in, targets, vocab_size=vocab, temperature=temperature, support=support, allowed=allowed,
+        max_chunk_elements=chunk, return_entropy=True,
+    )
+    (entropy * upstream).sum().backward()
+    naive_in = logits.clone().requires_grad_()
+    keep = torch.zeros(rows, padded, dtype=torch.bool)
+    keep[:, support] = True
+    if allowed is not None:
+        keep[:, :vocab] &= allowed
+    # Excluded columns at -1e4: their probability underflows to exactly 0, with no inf arithmetic.
+    log_p = torch.log_softmax(torch.where(keep, naive_in, -1e4) / temperature, dim=-1)
+    naive = -(log_p.exp() * log_p).sum(dim=-1)
+    (naive * upstream).sum().backward()
+    torch.testing.assert_close(values, log_p.gather(-1, targets[:, None])[:, 0].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-5, atol=1e-5)
+    single = keep.sum(dim=-1) == 1
+    assert torch.all(entropy[single] == 0)

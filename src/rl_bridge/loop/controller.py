@@ -128,7 +128,7 @@ def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str,
     ``<prefix>/tool_call_precision`` (the fraction of calls that asked for the segment the question
     names; NaN when no call was made), and with the segments each sample watched
     ``<prefix>/first_call_entropy``: the entropy of the first watched segment over the samples that
-    watched one, divided by the log of the number of segments (1 when the first calls spread evenly
+    called for one, divided by the log of the number of segments (1 when the first calls spread evenly
     over the segments, as they do for a policy that asks for the named one of a uniformly named
     segment; 0 when every sample asks for the same segment, a collapsed choice)."""
     answers = [res.result or {} for res in results]
@@ -143,7 +143,7 @@ def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str,
         metrics[f"{prefix}/tool_calls_per_sample"] = calls / len(answers)
         if any(a.get("named_segment_calls") is not None for a in answers):
             metrics[f"{prefix}/tool_call_precision"] = named / calls if calls else math.nan
-    first = Counter(a["watched_segments"][0] for a in answers if a.get("watched_segments"))
+    first = Counter(a["watched_segments"][0] for a in answers if a.get("watched_segments") and a.get("tool_calls"))
     segments = max((len(a.get("segments") or ()) for a in answers), default=0)
     if first and segments > 1:
         counts = torch.tensor(list(first.values()), dtype=torch.float64)

@@ -24,6 +24,11 @@ the distribution the softmax over those columns only: the policy that actually s
 whose logprobs vLLM reports with ``--logprobs-mode processed_logprobs``. An ``allowed`` mask does
 the same per row: the tokens a structured-outputs grammar allowed at that position
 (:mod:`rl_bridge.structured_outputs`), which vLLM applies to the logits before it samples.
+
+With ``return_entropy`` it also returns each row's entropy over the same distribution (for the
+loss's optional entropy bonus and the ``loss/entropy`` metric), computed in the same chunks with
+three more all-reduced row values and differentiable the same way (recomputed in backward, no
+communication there).
 """
 
 from __future__ import annotations
@@ -95,6 +100,58 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
+class _TokenEntropy(torch.autograd.Function):
+    """``H(softmax(logits / T))`` per row, over the columns given (``-inf`` columns excluded)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        inv_temperature: float,
+        group: dist.ProcessGroup | None,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        rows = logits.size(0)
+        entropy = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        log_normalizers = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        expected = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            scaled = logits[start:end].float() * inv_temperature
+            row_max = scaled.max(dim=-1).values
+            _all_reduce(row_max, dist.ReduceOp.MAX, group)
+            weights = (scaled - row_max.unsqueeze(-1)).exp_()
+            sums = torch.stack(  # sum of exp, sum of exp * logit (excluded columns: exp 0, no -inf * 0)
+                [weights.sum(dim=-1), torch.where(weights > 0, weights * scaled, 0.0).sum(dim=-1)]
+            )
+            _all_reduce(sums, dist.ReduceOp.SUM, group)
+            log_normalizers[start:end] = row_max + sums[0].log()
+            expected[start:end] = sums[1] / sums[0]  # E_p[logit / T]
+            # H = log Z - E_p[logit / T]
+            entropy[start:end] = log_normalizers[start:end] - expected[start:end]
+        ctx.save_for_backward(logits, log_normalizers, expected)
+        ctx.inv_temperature = inv_temperature
+        ctx.chunk_rows = chunk_rows
+        return entropy
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        logits, log_normalizers, expected = ctx.saved_tensors
+        inv_temperature, chunk_rows = ctx.inv_temperature, ctx.chunk_rows
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for start in range(0, logits.size(0), chunk_rows):
+            end = min(start + chunk_rows, logits.size(0))
+            scaled = logits[start:end].float() * inv_temperature
+            probs = (scaled - log_normalizers[start:end].unsqueeze(-1)).exp_()
+            # d H / d s_j = p_j (E_p[s] - s_j), with s = logit / T
+            shift = torch.where(probs > 0, expected[start:end].unsqueeze(-1) - scaled, 0.0)
+            chunk_grad = probs.mul_(shift).mul_(grad_entropy[start:end].float().unsqueeze(-1))
+            grad_logits[start:end] = chunk_grad.mul_(inv_temperature)
+        return grad_logits, None, None, None
+
+
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -105,7 +162,8 @@ def token_logprobs(
     support: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / temperature)[target]`` for each row, over the real vocabulary
     (or over ``support``).
 
@@ -123,10 +181,12 @@ def token_logprobs(
         allowed: ``[rows, vocab_size]`` bool: per row, the global token ids the softmax runs over
             (on top of ``support``); ``None``: no per-row restriction.
         max_chunk_elements: at most this many logits are held in fp32 at a time.
+        return_entropy: also return each row's entropy (nats) of the same distribution.
 
     Returns:
         ``[rows]`` fp32 log-probabilities, identical on every rank of ``tp_group``. Differentiable
-        with respect to ``logits`` (the gradient has ``logits``' dtype).
+        with respect to ``logits`` (the gradient has ``logits``' dtype). With ``return_entropy``,
+        ``(logprobs, entropy)``, both ``[rows]`` and differentiable.
 
     Raises:
         ValueError: mismatched shapes, a non-positive temperature, a target outside the
@@ -202,4 +262,7 @@ def token_logprobs(
     width = local_vocab if support is None else min(local_vocab, int(ids.numel()))
     chunk_rows = max(1, max_chunk_elements // width)
     group = tp_group if tp_size > 1 else None
-    return _TokenLogprobs.apply(columns, local_targets, in_shard, 1.0 / temperature, group, chunk_rows)
+    logprobs = _TokenLogprobs.apply(columns, local_targets, in_shard, 1.0 / temperature, group, chunk_rows)
+    if not return_entropy:
+        return logprobs
+    return logprobs, _TokenEntropy.apply(columns, 1.0 / temperature, group, chunk_rows)

@@ -85,7 +85,11 @@ class StepCounts:
 
 
 class PolicyLoss(Protocol):
-    """The training objective, evaluated one micro-batch at a time (e.g. the GRPO loss)."""
+    """The training objective, evaluated one micro-batch at a time (e.g. the GRPO loss).
+
+    A loss with a true ``wants_entropy`` attribute is also given ``entropy=``: ``[B, S]`` fp32
+    entropies of the current policy at each target position (with gradient; zero elsewhere).
+    """
 
     def denominator(self, batch: MicroBatch) -> float:
         """This micro-batch's share of the step's normaliser (e.g. its weighted target tokens).
@@ -134,6 +138,9 @@ class GRPOPolicyLoss:
 
     _LEFT_OUT = ("loss/total", "loss/pg", "tokens/valid", "mismatch/seq_mult_prob_error")
 
+    #: The entropy is always taken: for ``loss/entropy``, and for the bonus when ``entropy_coef > 0``.
+    wants_entropy = True
+
     def __init__(self, config: GRPOLossConfig) -> None:
         self.config = config
 
@@ -141,8 +148,16 @@ class GRPOPolicyLoss:
         return float(loss_denominator(batch.target_mask, batch.loss_weights, self.config))
 
     def __call__(
-        self, logprobs: torch.Tensor, mask: torch.Tensor, batch: MicroBatch, counts: StepCounts
+        self,
+        logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        batch: MicroBatch,
+        counts: StepCounts,
+        *,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if entropy is not None and not self.config.entropy_coef > 0:
+            entropy = entropy.detach()  # the metric only
         loss, metrics = grpo_loss(
             logprobs,
             batch.advantages,
@@ -153,6 +168,7 @@ class GRPOPolicyLoss:
             ref_logprobs=batch.ref_logprobs,
             sample_weights=batch.loss_weights,
             normalizer=counts.normalizer,
+            entropy=entropy,
         )
         return loss, {name: value for name, value in metrics.items() if name not in self._LEFT_OUT}
 
@@ -380,8 +396,11 @@ class MegatronPolicy:
             for i in range(0, len(batch), size)
         ]
 
-    def _target_logprobs(self, logits: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
-        """``[B, S]`` fp32 logprobs of the target tokens from ``[B, S, local vocab]`` logits (0 elsewhere)."""
+    def _target_logprobs(
+        self, logits: torch.Tensor, micro_batch: MicroBatch, *, entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[B, S]`` fp32 logprobs of the target tokens from ``[B, S, local vocab]`` logits (0
+        elsewhere); with ``entropy`` also the ``[B, S]`` entropies at the same positions."""
         batch_size, seq_len, local_vocab = logits.shape
         sample, position = micro_batch.target_mask.nonzero(as_tuple=True)
         # The logits at position t - 1 predict the token at position t.
@@ -400,9 +419,13 @@ class MegatronPolicy:
                 if micro_batch.allowed_tokens is not None
                 else None
             ),
+            return_entropy=entropy,
         )
         zeros = torch.zeros(batch_size, seq_len, dtype=torch.float32, device=logits.device)
-        return zeros.index_put((sample, position), values)
+        if not entropy:
+            return zeros.index_put((sample, position), values)
+        values, entropies = values
+        return zeros.index_put((sample, position), values), zeros.index_put((sample, position), entropies)
 
     def _run_schedule(
         self,
@@ -543,8 +566,12 @@ class MegatronPolicy:
                 if return_logprobs:
                     empty["logprobs"] = torch.zeros(micro_batch.input_ids.shape, dtype=torch.float32)
                 return logits.sum() * 0.0, empty
-            logprobs = self._target_logprobs(logits, micro_batch)
-            loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts)
+            if getattr(loss_fn, "wants_entropy", False):
+                logprobs, entropy = self._target_logprobs(logits, micro_batch, entropy=True)
+                loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts, entropy=entropy)
+            else:
+                logprobs = self._target_logprobs(logits, micro_batch)
+                loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts)
             reported: dict[str, Any] = {
                 "loss": float(loss.detach()),
                 "trained": trained,

@@ -273,14 +273,9 @@ class VLLMServer:
             rl_bridge.services.process.ServiceError: the new server exited or was not healthy
                 within ``config.startup_timeout_s``; it is stopped before this is raised.
         """
-        started = time.monotonic()
+        self._launched_at, self.startup_s = time.monotonic(), math.nan
         self.process = self.process.respawn()
-        try:
-            wait_for_http(self.health_url, timeout_s=self.config.startup_timeout_s, process=self.process)
-        except BaseException:
-            self.process.stop()
-            raise
-        self.startup_s = time.monotonic() - started
+        self.wait_until_healthy()
 
     def stop(self) -> None:
         """Stop the server and every process it started. Safe to call more than once."""

@@ -36,7 +36,8 @@ _registered = False
 
 
 def register() -> None:
-    """Register the video loader (``video_grpo``) and the model loader (``--load-format video_grpo``).
+    """Register the video loader (``video_grpo``), the model loader (``--load-format video_grpo``)
+    and the CPU weight-transfer engine (``--weight-transfer-config '{"backend": "video_grpo_gloo"}'``).
 
     Idempotent and cheap (no I/O, no config reads); vLLM calls it once in each process it starts.
     A name already taken in a registry is left alone, never overwritten.
@@ -44,6 +45,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.model_executor import model_loader as vllm_model_loaders
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
@@ -55,6 +57,14 @@ def register() -> None:
     # vLLM has no public lookup of load formats; registering a taken one would overwrite it.
     if MODEL_LOADER_NAME not in vllm_model_loaders._LOAD_FORMAT_TO_MODEL_LOADER:
         vllm_model_loaders.register_model_loader(MODEL_LOADER_NAME)(VideoGRPOModelLoader)
+    # Lazy: the engine module is imported only by a server that selects the backend. The
+    # factory refuses a taken name (ValueError), which leaves the registered engine in place.
+    try:
+        WeightTransferEngineFactory.register_engine(
+            "video_grpo_gloo", "vllm_video_plugin.weight_transfer", "GlooWeightTransferEngine"
+        )
+    except ValueError:
+        pass
     _registered = True
     logging.getLogger(__name__).info("%s plugin registered in pid %d", PLUGIN_NAME, os.getpid())
 

@@ -1,10 +1,14 @@
-"""Refit a running vLLM server with weights the trainer wrote: pause, reload, reset caches, resume.
+"""Refit a running vLLM server: pause, replace the weights, reset caches, resume.
 
-The server must run with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/pause``, ``/collective_rpc``, cache
-reset and weight-version endpoints). One :meth:`RefitClient.refit` call:
+The weights come from a directory the trainer wrote (:meth:`RefitClient.refit`) or in memory
+through vLLM's weight-transfer API (:meth:`RefitClient.refit_with` around a trainer engine's
+send; the client is also the engine's HTTP control plane). The server must run with
+``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/pause``, ``/collective_rpc``, cache reset and
+weight-version endpoints). One refit:
 
 1. ``POST /pause?mode=...``: stop scheduling (``"wait"`` lets running requests finish);
-2. ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)`` in every worker: the directory's
+2. ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)`` in every worker (in memory:
+   ``/start_weight_update``, ``/update_weights`` per chunk, ``/finish_weight_update``): the directory's
    safetensors (HF parameter names) are loaded in place through the server's load format
    (``--load-format video_grpo`` checks the directory's ``config.json`` against the contract
    first). In-place tensor edits are not enough on CPU, where GEMMs use a packed copy; a reload
@@ -32,6 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 from vllm_video_plugin.errors import VideoGRPOError
@@ -54,7 +59,8 @@ class RefitResult:
     weight_version: str
     """The version the server reports serving now (read back from ``/weight_info``)."""
     weights_path: str
-    """The directory the workers loaded, as the server sees it."""
+    """The directory the workers loaded, as the server sees it (``"memory"`` for an in-memory
+    transfer)."""
     paused_s: float
     """Seconds from pause to resume: how long generation stood still."""
 
@@ -87,14 +93,37 @@ class RefitClient:
                 itself failed), or the server reports another version afterwards.
         """
         path = os.fspath(weights_path)
-        started = time.monotonic()
-        self._post("/pause?" + urllib.parse.urlencode({"mode": pause_mode}), step="pause")
-        try:
+
+        def reload() -> None:
             self._post(
                 "/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": path}},
                 step=f"reload_weights from {path}",
             )
+
+        return self.refit_with(reload, version=version, pause_mode=pause_mode, source=path)
+
+    def refit_with(
+        self, load: Callable[[], object], *, version: str, pause_mode: PauseMode = "wait", source: str = "memory"
+    ) -> RefitResult:
+        """Steps 1 and 3-5 of a refit around ``load``, which replaces the weights (step 2): a disk
+        reload, or an in-memory transfer through vLLM's weight-transfer API driven by a trainer
+        engine (:mod:`rl_bridge.weight_sync`), whose ``/start_weight_update``,
+        ``/update_weights`` and ``/finish_weight_update`` calls go through this client.
+
+        Raises:
+            RefitError: as :meth:`refit`; an exception of ``load`` becomes one naming the server
+                left paused.
+        """
+        started = time.monotonic()
+        self._post("/pause?" + urllib.parse.urlencode({"mode": pause_mode}), step="pause")
+        try:
+            try:
+                load()
+            except RefitError:
+                raise
+            except Exception as error:
+                raise RefitError(f"loading the weights from {source} failed: {error}") from error
             # Requests frozen by mode "keep" hold KV blocks computed with the old weights, and
             # vLLM refuses to reset a prefix cache whose blocks are held: preempt them, so they
             # recompute their KV with the new weights when generation resumes.
@@ -106,7 +135,7 @@ class RefitClient:
                 )
             for cache in ("encoder", "mm"):
                 self._post(f"/reset_{cache}_cache", step=f"reset the {cache} cache")
-            self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
+            self.update_weight_version(version)
         except RefitError as error:
             raise RefitError(
                 f"{error}. The server is left paused with possibly partial weights: refit again, "
@@ -117,7 +146,33 @@ class RefitClient:
         served = self.weight_version()
         if served != version:
             raise RefitError(f"after the refit the server reports weight version {served!r}, not {version!r}")
-        return RefitResult(weight_version=served, weights_path=path, paused_s=paused_s)
+        return RefitResult(weight_version=served, weights_path=source, paused_s=paused_s)
+
+    def update_weight_version(self, version: str) -> None:
+        """Stamp ``version`` on every output from now on, weights unchanged (after a step that
+        trained nothing, the served weights are the policy's already)."""
+        self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
+
+    # -- vLLM's VLLMWeightSyncClient (the control plane a trainer-side engine drives) -------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``POST /init_weight_transfer_engine``: the workers join the trainer's group (blocks
+        until they have)."""
+        self._post("/init_weight_transfer_engine", {"init_info": init_info}, step="init the weight transfer")
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update", step="start the weight update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``POST /update_weights``: one chunk; the workers receive its tensors meanwhile."""
+        self._post("/update_weights", {"update_info": update_info}, step="update weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._post("/finish_weight_update", body, step="finish the weight update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine", step="shut the weight transfer down")
 
     def resume(self) -> None:
         """Resume generation (``POST /resume``).

@@ -214,10 +214,15 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
                 batch, preprocess_metrics = controller.preprocess(results)
             with timed("logprobs", timings):
                 samples = controller.logprobs(batch.samples)
-            with timed("train", timings):
-                train_metrics = controller.train(samples)
-            with timed("refit", timings):
-                refit_metrics = controller.refit(step, pause_mode=settings.refit_pause_mode)
+            with controller.weights_lock:  # a restart's reload sees the weights vLLM serves
+                with timed("train", timings):
+                    train_metrics = controller.train(samples)
+                with timed("refit", timings):
+                    refit_metrics = controller.refit(
+                        step,
+                        pause_mode=settings.refit_pause_mode,
+                        trained=train_metrics["train/optimizer_steps"] > 0,
+                    )
             trained_at, version = version, step
             timings["time/step_s"] = sum(timings.values())
             ages = [group.age(trained_at) for group in groups]

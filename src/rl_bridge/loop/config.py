@@ -30,6 +30,7 @@ __all__ = [
     "ModelFamily",
     "ModelSection",
     "Recipe",
+    "RefitSection",
     "RolePlacement",
     "RolloutSection",
     "TaskEnvironment",
@@ -399,6 +400,22 @@ class ValidationSection(_Section):
     """End the run once validation accuracy reaches ``target_accuracy``."""
 
 
+class RefitSection(_Section):
+    """How the trained weights reach vLLM after each step (:meth:`.controller.Controller.refit`)."""
+
+    transport: Literal["auto", "memory", "disk"] = "auto"
+    """``"memory"``: through vLLM's weight-transfer API, no file in between (this package's gloo
+    engine when the policy is on CPU, vLLM's ``nccl`` engine when it is on a GPU); ``"disk"``: the
+    policy writes an HF checkpoint that vLLM reloads (``reload_weights``); ``"auto"``: memory."""
+    bucket_mb: PositiveInt = 256
+    """In memory: MiB per transfer bucket (one ``/update_weights`` call and one broadcast); each
+    side holds about one bucket at a time, never the model twice."""
+
+    @property
+    def in_memory(self) -> bool:
+        return self.transport != "disk"
+
+
 class AsyncSection(_Section):
     """Async GRPO (``mode: async``): a collector fills a replay buffer with complete groups while
     the trainer trains on them (:mod:`rl_bridge.loop.async_grpo`).
@@ -497,6 +514,7 @@ class Recipe(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
+    refit: RefitSection = Field(default_factory=RefitSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
     """Async GRPO settings (used with ``mode: async``); the YAML key is ``async``."""

@@ -21,6 +21,7 @@ import json
 import math
 import random
 import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -168,8 +169,16 @@ class Controller:
         self.run_dir = recipe.run_dir.resolve()
         self.weights_dir = self.run_dir / "weights"
         self.refit_client = RefitClient(roles.vllm_base_url)
-        self._served: tuple[Path, str] | None = None
-        """The weights directory and version vLLM was last refitted with (``None``: the checkpoint)."""
+        self._served: tuple[Path | None, str] | None = None
+        """The weights directory (``None`` in memory) and version vLLM was last refitted with
+        (``None``: the checkpoint)."""
+        self.weights_lock = threading.RLock()
+        """Held while the policy's weights change or travel (training, refits, a restart's
+        reload): one at a time, whoever asks."""
+        self._connected = False
+        from rl_bridge.loop.roles import weight_transfer_backend
+
+        self._transfer_backend = weight_transfer_backend(recipe) or ""
         if roles.vllm_supervisor is not None:
             roles.vllm_supervisor.on_restart = self._reload_served_weights
         self.rollout_settings = RolloutSettings(
@@ -398,6 +407,11 @@ class Controller:
         ]
 
     def train(self, samples: list[Any]) -> dict[str, float]:
+        """:meth:`_train` while holding :attr:`weights_lock` (a restart's reload waits for it)."""
+        with self.weights_lock:
+            return self._train(samples)
+
+    def _train(self, samples: list[Any]) -> dict[str, float]:
         """``train.epochs`` passes over the samples, each split in a fresh seeded order into
         ``train.minibatches`` optimizer steps, on every unmasked sample.
 
@@ -487,28 +501,70 @@ class Controller:
             "mismatch/seq_mult_prob_error_max": max(seq_errors),
         }
 
-    def refit(self, step: int, *, pause_mode: PauseMode = "wait") -> dict[str, float]:
-        """Export the weights and load them into vLLM as version ``step-<step>``.
+    def refit(self, step: int, *, pause_mode: PauseMode = "wait", trained: bool = True) -> dict[str, float]:
+        """Make vLLM serve the policy's weights as version ``step-<step>``.
 
-        ``pause_mode``: what vLLM does with requests running meanwhile (``"wait"``: they finish
-        on the old weights first; ``"keep"``: they are frozen and continue on the new ones).
+        In memory (``refit.transport``) the policy streams its HF-named weights through vLLM's
+        weight-transfer API; on disk it exports them and vLLM reloads the directory. A step that
+        trained nothing (``trained=False``) moves no weights: vLLM already serves them, and only
+        the version is stamped (``refit/skipped``). ``pause_mode``: what vLLM does with requests
+        running meanwhile (``"wait"``: they finish on the old weights first; ``"keep"``: they are
+        frozen and continue on the new ones). One refit at a time: a restart's reload waits.
         """
-        target = self.weights_dir / f"step-{step}"
-        if target.exists():  # exported before (a resumed run refits its checkpoint's version again)
-            shutil.rmtree(target)
-        self.roles.policy.save_hf_checkpoint(target)
-        result = self.refit_client.refit(target, version=f"step-{step}", pause_mode=pause_mode)
-        self._served = (target, f"step-{step}")
-        for old in self.weights_dir.iterdir():
-            if old != target:
-                shutil.rmtree(old)
-        return {"refit/paused_s": result.paused_s, "refit/weight_version": float(step)}
+        version = f"step-{step}"
+        with self.weights_lock:
+            if not trained:
+                self.refit_client.update_weight_version(version)
+                self._served = (self._served[0] if self._served else None, version)
+                return {"refit/skipped": 1.0, "refit/weight_version": float(step)}
+            if self.recipe.refit.in_memory:
+                figures = self._send_weights(version, pause_mode)
+                self._served = (None, version)
+            else:
+                target = self.weights_dir / version
+                if target.exists():  # exported before (a resumed run refits its checkpoint's version again)
+                    shutil.rmtree(target)
+                self.roles.policy.save_hf_checkpoint(target)
+                result = self.refit_client.refit(target, version=version, pause_mode=pause_mode)
+                figures = {"refit/paused_s": result.paused_s}
+                self._served = (target, version)
+                for old in self.weights_dir.iterdir():
+                    if old != target:
+                        shutil.rmtree(old)
+        return {**figures, "refit/skipped": 0.0, "refit/weight_version": float(step)}
+
+    def _send_weights(self, version: str, pause_mode: PauseMode = "wait", *, reconnect: bool = False) -> dict[str, float]:
+        """The in-memory refit: connect the policy to vLLM's weight-transfer engine (once, and
+        again after a restart), then pause, send, reset the caches, stamp, resume."""
+        if reconnect or not self._connected:
+            self.roles.policy.connect_vllm(
+                self.roles.vllm_base_url,
+                backend=self._transfer_backend,
+                bucket_bytes=self.recipe.refit.bucket_mb * 1024**2,
+                vllm_workers=self.recipe.model.vllm_tensor_parallel_size,
+            )
+            self._connected = True
+        figures: dict[str, float] = {}
+        result = self.refit_client.refit_with(
+            lambda: figures.update(self.roles.policy.send_weights_to_vllm()),
+            version=version,
+            pause_mode=pause_mode,
+        )
+        return {**figures, "refit/paused_s": result.paused_s}
 
     def _reload_served_weights(self, server: Any) -> None:
-        """After a restart vLLM serves the starting checkpoint: load the trained weights again."""
-        if self._served is not None:
+        """After a restart vLLM serves the starting checkpoint: send (or reload) the trained
+        weights again, under the version they were served as."""
+        with self.weights_lock:
+            if self._served is None:
+                return
             path, version = self._served
-            self.refit_client.refit(path, version=version)
+            if self.recipe.refit.in_memory:
+                self._send_weights(version, reconnect=True)
+            elif path is not None:
+                self.refit_client.refit(path, version=version)
+            else:  # stamped only: the checkpoint's weights, served under the run's version
+                self.refit_client.update_weight_version(version)
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out rows (rows that failed count as wrong)."""

@@ -426,6 +426,16 @@ class RayPolicy:
         """Export the weights as an HF checkpoint in ``directory`` (rank 0 writes)."""
         return self._call_all("save_hf_checkpoint", [(directory,)] * len(self._workers))[0]
 
+    def connect_vllm(self, base_url: str, **options: Any) -> None:
+        """Join vLLM's weight-transfer group on every rank (rank 0 sends; see
+        :meth:`MegatronPolicy.connect_vllm`)."""
+        self._call_all("connect_vllm", [(base_url,)] * len(self._workers), **options)
+
+    def send_weights_to_vllm(self) -> dict[str, float]:
+        """Stream the weights to vLLM from rank 0 (every rank exports); rank 0's figures."""
+        results = self._call_all("send_weights_to_vllm", [()] * len(self._workers))
+        return next((figures for figures in results if figures), {})
+
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Write the training checkpoint (every rank writes its file) and return its directory."""
         return self._call_all("save_checkpoint", [(directory,)] * len(self._workers))[0]

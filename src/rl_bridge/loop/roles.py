@@ -42,6 +42,12 @@ class PolicyHandle(Protocol):
 
     def load_checkpoint(self, directory: str | Path) -> int: ...
 
+    def connect_vllm(
+        self, base_url: str, *, backend: str, bucket_bytes: int, vllm_workers: int = 1, timeout_s: float = 600.0
+    ) -> None: ...
+
+    def send_weights_to_vllm(self) -> dict[str, float]: ...
+
 
 @dataclass(frozen=True)
 class Roles:
@@ -62,7 +68,8 @@ class Roles:
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     """The vLLM server of a run.
 
-    The model section's dtype, context length and parallelism; dev mode for refits; the run's
+    The model section's dtype, context length and parallelism; dev mode for refits and the
+    weight-transfer engine of in-memory ones (:func:`weight_transfer_backend`); the run's
     media root as the allowed local media path; as many videos per prompt as a trajectory
     collects; this package's video loader with the sampling contract the trainer's processor
     uses, so vLLM and the trainer sample the same frames; processed logprobs (after temperature
@@ -94,9 +101,20 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         logprobs_mode="processed_logprobs",
         tool_call_parser=model.tool_parser if recipe.task.environment == "agentic" else None,
         structured_outputs_backend=STRUCTURED_OUTPUTS_BACKEND if recipe.rollout.constrain_actions else None,
+        weight_transfer_backend=weight_transfer_backend(recipe),
         startup_timeout_s=900,
         extra_args=tuple(extra_args),
     )
+
+
+def weight_transfer_backend(recipe: Recipe) -> str | None:
+    """vLLM's weight-transfer engine for the run's refits (``None``: refits reload from disk):
+    vLLM's ``nccl`` when the policy trains on a GPU, this package's gloo engine on CPU."""
+    if not recipe.refit.in_memory:
+        return None
+    from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+
+    return "nccl" if recipe.model.policy_gpus and torch.cuda.is_available() else GLOO_BACKEND
 
 
 def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:

@@ -63,10 +63,11 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
             samples = batch.samples
             with timed("logprobs", timings):
                 samples = controller.logprobs(samples)
-            with timed("train", timings):
-                train_metrics = controller.train(samples)
-            with timed("refit", timings):
-                refit_metrics = controller.refit(step)
+            with controller.weights_lock:  # a restart's reload sees the weights vLLM serves
+                with timed("train", timings):
+                    train_metrics = controller.train(samples)
+                with timed("refit", timings):
+                    refit_metrics = controller.refit(step, trained=train_metrics["train/optimizer_steps"] > 0)
             timings["time/step_s"] = sum(timings.values())
             if report.step_done(step, {**collect_metrics, **train_metrics, **refit_metrics, **timings}):
                 break

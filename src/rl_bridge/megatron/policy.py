@@ -296,6 +296,7 @@ class MegatronPolicy:
                 "MegatronPolicy: context parallelism needs sequence packing, which is not supported"
             )
         self._bridge = load_bridge(self.hf_path)
+        self._weight_sync: Any = None
         half = self.config.dtype in (torch.bfloat16, torch.float16)
         self._model: list[MegatronModule] = build_policy(
             self.hf_path,
@@ -718,6 +719,47 @@ class MegatronPolicy:
             raise
         torch.distributed.barrier()
         return target
+
+    # -- in-memory refit ----------------------------------------------------------------------------
+
+    def connect_vllm(
+        self,
+        base_url: str,
+        *,
+        backend: str,
+        bucket_bytes: int,
+        vllm_workers: int = 1,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the weight-transfer group of the vLLM server at ``base_url`` (again after a
+        restart), through vLLM's weight-transfer API (:mod:`rl_bridge.weight_sync`). Collective:
+        every rank calls it; global rank 0 sends, from the address on its route to the server.
+        """
+        from rl_bridge.services.process import free_port
+        from rl_bridge.weight_sync import WeightSync, sender_address
+
+        if self._weight_sync is None:
+            self._weight_sync = WeightSync(self.export_hf_weights)
+        address = sender_address(base_url)
+        self._weight_sync.connect(
+            base_url,
+            backend=backend,  # type: ignore[arg-type]
+            master_address=address,
+            master_port=free_port(address),
+            vllm_workers=vllm_workers,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+        )
+
+    def send_weights_to_vllm(self) -> dict[str, float]:
+        """Stream the current weights to the connected server (:meth:`connect_vllm` first):
+        ``/start_weight_update``, one ``/update_weights`` per bucket, ``/finish_weight_update``.
+        Collective. Returns rank 0's figures (``refit/bytes``, ``refit/buckets``,
+        ``refit/transfer_s``); the caller pauses the server and resets its caches around it
+        (:meth:`vllm_video_plugin.refit.RefitClient.refit_with`)."""
+        if self._weight_sync is None:
+            raise RuntimeError("send_weights_to_vllm before connect_vllm")
+        return self._weight_sync.send()
 
     # -- training checkpoints -----------------------------------------------------------------------
 

@@ -96,6 +96,11 @@ class VLLMServerConfig(BaseModel):
         description="The backend of structured outputs; None keeps vLLM's (auto). A trainer that "
         "replays the grammar pins the backend it replays.",
     )
+    weight_transfer_backend: str | None = Field(
+        None,
+        description="vLLM's weight-transfer engine for in-memory refits (--weight-transfer-config): "
+        "'video_grpo_gloo' on CPU (this package's), 'nccl' or 'ipc' on GPUs; None: refits reload from disk.",
+    )
     kv_cache_space_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB.")
     plugins: tuple[str, ...] | None = Field(
         None, description="Allow-list for VLLM_PLUGINS; None loads every installed plugin."
@@ -163,6 +168,8 @@ def server_argv(
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.structured_outputs_backend is not None:
         argv += ["--structured-outputs-config", json.dumps({"backend": config.structured_outputs_backend})]
+    if config.weight_transfer_backend is not None:
+        argv += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     argv += config.extra_args
     return argv
 

@@ -1,0 +1,296 @@
+"""In-memory refit on CPU: a vLLM weight-transfer engine over ``torch.distributed`` with gloo.
+
+vLLM's RL weight-transfer API (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``) moves a trainer's weights into the running engine
+without a file in between; its engines (``nccl``, ``ipc``, ...) need CUDA. This module is the
+same protocol on CPU, so the tests and the embedded default run what a GPU cluster runs. Serve
+with::
+
+    --weight-transfer-config '{"backend": "video_grpo_gloo"}'
+
+(:func:`vllm_video_plugin.register` registers the engine in every vLLM process). The trainer
+side is :class:`rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`.
+
+The wire protocol:
+
+- **Init.** ``init_info`` = :class:`GlooWeightTransferInitInfo`: a rendezvous address and port
+  (the trainer's sender hosts the store as rank 0), this server's rank offset and the group's
+  world size. Every worker joins as ``rank_offset + its global rank`` (data-parallel index x
+  TP x PP + its rank), so one trainer can feed every worker of every replica in one group.
+- **Update.** One ``/update_weights`` call per **bucket**: ``update_info`` =
+  :class:`GlooWeightTransferUpdateInfo`, the bucket's HF names, dtypes, shapes and byte offsets.
+  The worker receives the bucket as one ``uint8`` broadcast from rank 0 into a fresh buffer (the
+  layerwise reload may hold views of it until a layer is complete) and hands the views to the
+  model's ``load_weights``. A bucket is at most the trainer's bucket size (a larger tensor travels
+  alone), so neither side holds the model twice.
+- **Checks.** Each name and shape is checked against the checkpoint the server loaded (its
+  safetensors headers, HF names): a name the server does not hold, or another shape, fails the
+  update with both named. ``finish_weight_update`` fails, naming them, if a parameter of the
+  checkpoint was not sent.
+
+Start and finish run vLLM's layerwise reload (as ``reload_weights`` does), which repacks the
+weights for the CPU kernels. Resetting the prefix, encoder and multimodal caches and stamping the
+weight version stay with the caller (:class:`vllm_video_plugin.refit.RefitClient`).
+
+This module imports vLLM and torch; vLLM imports it when the engine is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from vllm_video_plugin.errors import VideoGRPOError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+__all__ = [
+    "BUCKET_ALIGNMENT",
+    "GLOO_BACKEND",
+    "GlooWeightTransferEngine",
+    "GlooWeightTransferInitInfo",
+    "GlooWeightTransferUpdateInfo",
+    "WeightTransferMismatch",
+    "bucket_layout",
+    "checkpoint_shapes",
+]
+
+GLOO_BACKEND: Final = "video_grpo_gloo"
+"""The ``--weight-transfer-config`` backend name (worker and trainer registries)."""
+
+BUCKET_ALIGNMENT: Final = 64
+"""Every tensor starts at a multiple of this many bytes in a bucket (any dtype can view it)."""
+
+logger = logging.getLogger(__name__)
+
+
+class WeightTransferMismatch(VideoGRPOError, ValueError):
+    """The trainer sent a name, a shape or a set of parameters the server does not hold."""
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join the trainer's gloo group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    """This server's first rank in the group (the trainer's sender is rank 0)."""
+    world_size: int
+    timeout_s: float = 600.0
+    """How long a collective waits for a peer before failing."""
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: which tensors its bytes hold, and where."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    """Byte offset of each tensor in the bucket."""
+    nbytes: int
+    """The bucket's size in bytes (the broadcast's length)."""
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.names), len(self.dtype_names), len(self.shapes), len(self.offsets)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"update_info: names, dtype_names, shapes and offsets differ in length "
+                f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}, {len(self.offsets)})"
+            )
+        for name, dtype_name, shape, offset in zip(self.names, self.dtype_names, self.shapes, self.offsets):
+            end = offset + _nbytes(shape, _dtype(dtype_name, name))
+            if offset % BUCKET_ALIGNMENT or end > self.nbytes:
+                raise ValueError(
+                    f"update_info: {name} at bytes [{offset}, {end}) is unaligned or outside the "
+                    f"bucket of {self.nbytes} bytes"
+                )
+
+
+def _dtype(name: str, tensor: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"update_info: {tensor} has dtype {name!r}, not a torch dtype")
+    return dtype
+
+
+def _nbytes(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def bucket_layout(tensors: list[tuple[str, torch.Tensor]]) -> GlooWeightTransferUpdateInfo:
+    """The update info of a bucket holding ``tensors`` in order, each starting at a multiple of
+    :data:`BUCKET_ALIGNMENT` bytes; the bucket ends where its last tensor ends (what the trainer
+    sends and the worker unpacks)."""
+    offsets, start, end = [], 0, 0
+    for _, tensor in tensors:
+        offsets.append(start)
+        end = start + tensor.numel() * tensor.element_size()
+        start = -(-end // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
+    return GlooWeightTransferUpdateInfo(
+        names=[name for name, _ in tensors],
+        dtype_names=[str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
+        shapes=[list(tensor.shape) for _, tensor in tensors],
+        offsets=offsets,
+        nbytes=end,
+    )
+
+
+def unpack_bucket(buffer: torch.Tensor, info: GlooWeightTransferUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``buffer`` (``uint8``, ``info.nbytes`` long) as the bucket's named tensors."""
+    out = []
+    for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
+        dtype = _dtype(dtype_name, name)
+        raw = buffer[offset : offset + _nbytes(shape, dtype)]
+        out.append((name, raw.view(dtype).view(shape)))
+    return out
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """HF name -> shape of every tensor in the checkpoint's safetensors files (headers only), or
+    ``None`` where the directory has none (dummy weights, another format: nothing to check
+    against)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def join_group(
+    host: str, port: int, rank: int, world_size: int, *, timeout_s: float
+) -> ProcessGroup:
+    """A gloo group of its own (not the process's default group): vLLM's stateless rendezvous,
+    rank 0 hosting the store."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def broadcast(group: ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` in place from the group's rank 0 (the group's own ranks, not the
+    default group's)."""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """The worker side of :data:`GLOO_BACKEND` (see the module docstring)."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: ProcessGroup | None = None
+        self.expected = checkpoint_shapes(self.model_config.model)
+        """HF name -> shape the server holds (``None``: not known, not checked)."""
+        self._received: set[str] = set()
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        parallel = self.parallel_config
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        self.shutdown()
+        self.group = join_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            timeout_s=init_info.timeout_s,
+        )
+        logger.info(
+            "%s: joined the trainer's group at %s:%d as rank %d of %d",
+            GLOO_BACKEND,
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._received = set()
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronises an accelerator; the CPU has none.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError(f"{GLOO_BACKEND}: update_weights before init_weight_transfer_engine")
+        self._check(update_info)
+        buffer = torch.empty(update_info.nbytes, dtype=torch.uint8)
+        broadcast(self.group, buffer)
+        tensors = unpack_bucket(buffer, update_info)
+        if self.device.type != "cpu":
+            tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
+        self.model.load_weights(tensors)
+        self._received.update(update_info.names)
+
+    def _check(self, info: GlooWeightTransferUpdateInfo) -> None:
+        if self.expected is None:
+            return
+        for name, shape in zip(info.names, info.shapes):
+            held = self.expected.get(name)
+            if held is None:
+                raise WeightTransferMismatch(
+                    f"{GLOO_BACKEND}: the trainer sent {name!r}, which the served checkpoint "
+                    f"({self.model_config.model}) does not hold"
+                )
+            if tuple(shape) != held:
+                raise WeightTransferMismatch(
+                    f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, "
+                    f"{held} in the served checkpoint"
+                )
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        if self.expected is not None and (missing := sorted(set(self.expected) - self._received)):
+            raise WeightTransferMismatch(
+                f"{GLOO_BACKEND}: the update did not send {len(missing)} of the checkpoint's "
+                f"{len(self.expected)} tensors (those not sent keep their old values): "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            stateless_destroy_torch_distributed_process_group(self.group)
+            self.group = None

@@ -43,6 +43,7 @@ from vllm_video_plugin.weight_transfer import (
     BUCKET_ALIGNMENT,
     GLOO_BACKEND,
     GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
     broadcast,
     bucket_layout,
     join_group,
@@ -178,6 +179,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 tensors += len(info.names)
                 nbytes += info.nbytes
                 buckets += 1
+        # The empty final call: the workers check that every tensor they hold came.
+        self.client.update_weights(asdict(GlooWeightTransferUpdateInfo(
+            names=[], dtype_names=[], shapes=[], offsets=[], nbytes=0, final=True
+        )))
         self.client.finish_weight_update()
         self.last = TransferStats(tensors=tensors, bytes=nbytes, buckets=buckets, seconds=time.monotonic() - started)
 

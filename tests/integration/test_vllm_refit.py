@@ -235,3 +235,38 @@ def test_in_memory_refit_refuses_a_tensor_vllm_does_not_hold_naming_it(
         sync.close()
     assert client.weight_version() == f"after-{fault}"
     logprobs(server, sample_video)
+
+
+def test_after_a_restart_the_sender_reconnects_and_the_weights_go_across_again(
+    server: VLLMServer, exports: dict[str, Path], sample_video: Path
+) -> None:
+    """What the loop does when its supervisor restarts vLLM (``Controller._reload_served_weights``):
+    the old group's peer is gone, the sender joins the new server's engine and sends again. Runs
+    last here: the restarted server serves the checkpoint (seed 0) again, as before the module."""
+    from safetensors.torch import load_file
+
+    client = RefitClient(server.base_url)
+    client.refit(exports["seed0"], version="before-restart")
+    original = logprobs(server, sample_video)
+    weights = load_file(str(exports["seed1"] / "model.safetensors"))
+    sync = connected(server, weights)
+    try:
+        client.refit_with(sync.send, version="seed1")
+        changed = logprobs(server, sample_video)
+        assert changed != original
+        server.restart()
+        assert client.weight_version() == "default" and logprobs(server, sample_video) == original
+        sync.connect(  # drops the dead group first
+            server.base_url, backend=GLOO_BACKEND, master_address="127.0.0.1", master_port=free_port(), timeout_s=120
+        )
+        client.refit_with(sync.send, version="seed1")
+        assert client.weight_version() == "seed1"
+        assert logprobs(server, sample_video) == changed
+        seed0 = connected(server, load_file(str(exports["seed0"] / "model.safetensors")))
+        try:
+            client.refit_with(seed0.send, version="seed0")
+        finally:
+            seed0.close()
+    finally:
+        sync.close()
+    assert logprobs(server, sample_video) == original

@@ -167,7 +167,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.start_weight_update()
         tensors = nbytes = buckets = 0
         with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = None
+            # Pulling the next bucket packs it while the workers load the previous one; a sent
+            # bucket's buffer is free once its broadcast returned.
             for bucket, info in self._buckets(iter(self.source)):
+                if answer is not None:
+                    answer.result()
                 answer = pool.submit(self.client.update_weights, asdict(info))
                 try:
                     broadcast(self.group, bucket)
@@ -175,14 +180,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     if answer.done():
                         answer.result()
                     raise
-                answer.result()
                 tensors += len(info.names)
                 nbytes += info.nbytes
                 buckets += 1
+            if answer is not None:
+                answer.result()
         # The empty final call: the workers check that every tensor they hold came.
-        self.client.update_weights(asdict(GlooWeightTransferUpdateInfo(
-            names=[], dtype_names=[], shapes=[], offsets=[], nbytes=0, final=True
-        )))
+        final = GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], offsets=[], nbytes=0, final=True)
+        self.client.update_weights(asdict(final))
         self.client.finish_weight_update()
         self.last = TransferStats(tensors=tensors, bytes=nbytes, buckets=buckets, seconds=time.monotonic() - started)
 

@@ -119,6 +119,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.bucket_bytes = bucket_bytes
         self.group: ProcessGroup | None = None
         self.last: TransferStats | None = None
+        self._send: torch.Tensor | None = None
 
     @classmethod
     def trainer_init(
@@ -193,8 +194,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _buckets(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, Any]]:
         """``(uint8 buffer, update info)`` per bucket, laid out as :func:`bucket_layout` says; the
-        send buffer is reused once the consumer has sent a bucket."""
-        send = torch.empty(self.bucket_bytes + BUCKET_ALIGNMENT, dtype=torch.uint8)
+        send buffer (one, kept across refits) is reused once the consumer has sent a bucket."""
+        if self._send is None:  # kept across refits: its pages are touched once
+            self._send = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+        send = self._send
         held: list[tuple[str, torch.Tensor]] = []  # names and meta tensors of the packed ones
         end = 0
         for name, tensor in pairs:

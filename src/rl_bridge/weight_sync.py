@@ -39,13 +39,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from vllm_video_plugin.buckets import BucketLayout, pack_buckets
 from vllm_video_plugin.weight_transfer import (
-    BUCKET_ALIGNMENT,
     GLOO_BACKEND,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
     broadcast,
-    bucket_layout,
     join_group,
 )
 
@@ -192,33 +191,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
         self.last = TransferStats(tensors=tensors, bytes=nbytes, buckets=buckets, seconds=time.monotonic() - started)
 
-    def _buckets(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, Any]]:
-        """``(uint8 buffer, update info)`` per bucket, laid out as :func:`bucket_layout` says; the
-        send buffer (one, kept across refits) is reused once the consumer has sent a bucket."""
-        if self._send is None:  # kept across refits: its pages are touched once
-            self._send = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-        send = self._send
-        held: list[tuple[str, torch.Tensor]] = []  # names and meta tensors of the packed ones
-        end = 0
-        for name, tensor in pairs:
-            tensor = tensor.detach().contiguous()
-            size = tensor.numel() * tensor.element_size()
-            if held and (size > self.bucket_bytes or end + size > self.bucket_bytes):
-                yield self._packed(send, held)
-                held, end = [], 0
-            if size > self.bucket_bytes:  # alone, from its own memory
-                yield tensor.view(-1).view(torch.uint8), bucket_layout([(name, tensor)])
-                continue
-            send[end : end + size].copy_(tensor.view(-1).view(torch.uint8))
-            held.append((name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")))
-            end = -(-(end + size) // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
-        if held:
-            yield self._packed(send, held)
+    def _buckets(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, BucketLayout]]:
+        """:func:`~vllm_video_plugin.buckets.pack_buckets` into this engine's send buffer (one,
+        on the tensors' device, kept across refits: its pages are touched once)."""
 
-    @staticmethod
-    def _packed(send: torch.Tensor, held: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
-        info = bucket_layout(held)
-        return send[: info.nbytes], info
+        def buffer(device: torch.device) -> torch.Tensor:
+            if self._send is None or self._send.device != device:
+                self._send = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+            return self._send
+
+        return pack_buckets(pairs, self.bucket_bytes, buffer)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -41,7 +41,6 @@ This module imports vLLM and torch; vLLM imports it when the engine is created.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_video_plugin.buckets import BucketLayout, unpack_bucket
 from vllm_video_plugin.errors import VideoGRPOError
 
 if TYPE_CHECKING:
@@ -62,21 +62,16 @@ if TYPE_CHECKING:
     from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = [
-    "BUCKET_ALIGNMENT",
     "GLOO_BACKEND",
     "GlooWeightTransferEngine",
     "GlooWeightTransferInitInfo",
     "GlooWeightTransferUpdateInfo",
     "WeightTransferMismatch",
-    "bucket_layout",
     "checkpoint_shapes",
 ]
 
 GLOO_BACKEND: Final = "video_grpo_gloo"
 """The ``--weight-transfer-config`` backend name (worker and trainer registries)."""
-
-BUCKET_ALIGNMENT: Final = 64
-"""Every tensor starts at a multiple of this many bytes in a bucket (any dtype can view it)."""
 
 logger = logging.getLogger(__name__)
 
@@ -99,73 +94,13 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 
 @dataclass(kw_only=True)
-class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: which tensors its bytes hold, and where."""
+class GlooWeightTransferUpdateInfo(BucketLayout, WeightTransferUpdateInfo):
+    """One bucket (:class:`~vllm_video_plugin.buckets.BucketLayout`: which tensors its bytes hold,
+    and where), or the update's final call."""
 
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    offsets: list[int]
-    """Byte offset of each tensor in the bucket."""
-    nbytes: int
-    """The bucket's size in bytes (the broadcast's length; 0: nothing is broadcast)."""
     final: bool = False
     """The update's last call (the trainer sends an empty one): every tensor of the served
     checkpoint must have come by now."""
-
-    def __post_init__(self) -> None:
-        lengths = {len(self.names), len(self.dtype_names), len(self.shapes), len(self.offsets)}
-        if len(lengths) != 1:
-            raise ValueError(
-                f"update_info: names, dtype_names, shapes and offsets differ in length "
-                f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}, {len(self.offsets)})"
-            )
-        for name, dtype_name, shape, offset in zip(self.names, self.dtype_names, self.shapes, self.offsets):
-            end = offset + _nbytes(shape, _dtype(dtype_name, name))
-            if offset % BUCKET_ALIGNMENT or end > self.nbytes:
-                raise ValueError(
-                    f"update_info: {name} at bytes [{offset}, {end}) is unaligned or outside the "
-                    f"bucket of {self.nbytes} bytes"
-                )
-
-
-def _dtype(name: str, tensor: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"update_info: {tensor} has dtype {name!r}, not a torch dtype")
-    return dtype
-
-
-def _nbytes(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def bucket_layout(tensors: list[tuple[str, torch.Tensor]]) -> GlooWeightTransferUpdateInfo:
-    """The update info of a bucket holding ``tensors`` in order, each starting at a multiple of
-    :data:`BUCKET_ALIGNMENT` bytes; the bucket ends where its last tensor ends (what the trainer
-    sends and the worker unpacks)."""
-    offsets, start, end = [], 0, 0
-    for _, tensor in tensors:
-        offsets.append(start)
-        end = start + tensor.numel() * tensor.element_size()
-        start = -(-end // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
-    return GlooWeightTransferUpdateInfo(
-        names=[name for name, _ in tensors],
-        dtype_names=[str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
-        shapes=[list(tensor.shape) for _, tensor in tensors],
-        offsets=offsets,
-        nbytes=end,
-    )
-
-
-def unpack_bucket(buffer: torch.Tensor, info: GlooWeightTransferUpdateInfo) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``buffer`` (``uint8``, ``info.nbytes`` long) as the bucket's named tensors."""
-    out = []
-    for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
-        dtype = _dtype(dtype_name, name)
-        raw = buffer[offset : offset + _nbytes(shape, dtype)]
-        out.append((name, raw.view(dtype).view(shape)))
-    return out
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:

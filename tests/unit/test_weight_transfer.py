@@ -1,6 +1,6 @@
 """The in-memory refit's wire format and bucketing, and one transfer over a real gloo group.
 
-The bucket layout (:func:`~vllm_video_plugin.weight_transfer.bucket_layout`) and the trainer's
+The bucket layout (:func:`~vllm_video_plugin.buckets.bucket_layout`) and the trainer's
 packing (:class:`~rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`) are pure logic, checked
 with hypothesis: every tensor comes back bit-exact, in order, aligned, and no bucket is larger
 than the bucket size unless it holds one larger tensor alone. The transfer test runs the
@@ -23,14 +23,8 @@ from hypothesis import strategies as st
 
 from rl_bridge.services.process import free_port
 from rl_bridge.weight_sync import GlooTrainerWeightTransferEngine, PolicyWeightSource
-from vllm_video_plugin.weight_transfer import (
-    BUCKET_ALIGNMENT,
-    GlooWeightTransferUpdateInfo,
-    broadcast,
-    bucket_layout,
-    join_group,
-    unpack_bucket,
-)
+from vllm_video_plugin.buckets import BUCKET_ALIGNMENT, bucket_layout, unpack_bucket
+from vllm_video_plugin.weight_transfer import GlooWeightTransferUpdateInfo, broadcast, join_group
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 

@@ -643,15 +643,16 @@ class MegatronPolicy:
     # -- weights in HF names ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream the current weights as ``(hf_name, tensor)`` on the CPU, one tensor at a time.
+    def export_hf_weights(self, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the current weights as ``(hf_name, tensor)``, one tensor at a time, on the CPU
+        (``cpu=False``: on the policy's device, for a transfer that sends from there).
 
         Names and layouts are the HF checkpoint's: Megatron-Bridge all-gathers the
         tensor-parallel shards, so every rank receives the same full tensors, and splits fused
         projections. Collective: every rank of the model must iterate to the end. A yielded tensor
         may share memory with a parameter: clone it to keep it across a training step.
         """
-        yield from self._bridge.export_hf_weights(self._model, cpu=True, show_progress=False)
+        yield from self._bridge.export_hf_weights(self._model, cpu=cpu, show_progress=False)
 
     def export_hf_weight_chunks(self, max_chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`export_hf_weights` grouped into chunks of at most ``max_chunk_bytes`` bytes each.
@@ -737,9 +738,13 @@ class MegatronPolicy:
         """
         from rl_bridge.services.process import free_port
         from rl_bridge.weight_sync import WeightSync, sender_address
+        from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 
-        if self._weight_sync is None:
-            self._weight_sync = WeightSync(self.export_hf_weights)
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+        # gloo sends from host memory; NCCL from the device, where the export then stays.
+        on_cpu = backend == GLOO_BACKEND
+        self._weight_sync = WeightSync(lambda: self.export_hf_weights(cpu=on_cpu))
         address = sender_address(base_url)
         self._weight_sync.connect(
             base_url,

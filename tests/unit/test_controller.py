@@ -1,10 +1,12 @@
 """The step logic of the loop's Controller with its services stubbed: PPO mini-batches and epochs,
-the skipped ``pi_old`` pass, mismatch masking before the step, and DAPO's dynamic sampling."""
+the skipped ``pi_old`` pass, mismatch masking before the step, DAPO's dynamic sampling, and which
+refit each step and restart does."""
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -61,6 +63,7 @@ def _controller(*overrides: str) -> tuple[Controller, _Policy]:
     controller.roles = Roles(vllm_base_url="http://unused", agent_url="http://unused", policy=policy, reference=None)
     controller.loss = GRPOPolicyLoss(controller.recipe.train.loss)
     controller._minibatch_rng = random.Random(0)
+    controller.weights_lock = threading.RLock()
     return controller, policy
 
 
@@ -222,3 +225,92 @@ def test_first_call_entropy_tells_a_spread_choice_from_a_collapsed_one() -> None
     pushed = called(1)  # a segment the environment pushed (/next_segment), no call: not a choice
     pushed.result["tool_calls"] = 0
     assert "rollout/first_call_entropy" not in verifier_metrics([pushed, pushed], "rollout")
+
+
+class _RefitClient:
+    """Records the control calls a refit makes; ``refit_with`` runs the transfer it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def refit_with(self, load: Any, *, version: str, pause_mode: str = "wait") -> Any:
+        self.calls.append(("refit_with", version))
+        load()
+        return type("Result", (), {"paused_s": 0.1})()
+
+    def refit(self, path: Any, *, version: str, pause_mode: str = "wait") -> Any:
+        self.calls.append(("refit", version))
+        return type("Result", (), {"paused_s": 0.2})()
+
+    def update_weight_version(self, version: str) -> None:
+        self.calls.append(("stamp", version))
+
+
+class _SendingPolicy(_Policy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync: list[str] = []
+
+    def connect_vllm(self, base_url: str, **options: Any) -> None:
+        self.sync.append(f"connect {options['backend']} {options['bucket_bytes']}")
+
+    def send_weights_to_vllm(self) -> dict[str, float]:
+        self.sync.append("send")
+        return {"refit/bytes": 64.0}
+
+
+def _refitting(*overrides: str) -> tuple[Controller, _SendingPolicy, _RefitClient]:
+    controller, _ = _controller("refit.bucket_mb=1", *overrides)
+    policy = _SendingPolicy()
+    controller.roles = Roles(vllm_base_url="http://unused", agent_url="http://unused", policy=policy, reference=None)
+    controller.refit_client = _RefitClient()  # type: ignore[assignment]
+    controller._served = None
+    controller._connected = False
+    controller._transfer_backend = "video_grpo_gloo"
+    return controller, policy, controller.refit_client  # type: ignore[return-value]
+
+
+def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_trained_nothing_only_stamps() -> None:
+    controller, policy, client = _refitting()
+    assert controller.refit(1)["refit/bytes"] == 64.0
+    controller.refit(2)
+    skipped = controller.refit(3, trained=False)
+    assert skipped["refit/skipped"] == 1.0 and "refit/bytes" not in skipped
+    assert policy.sync == [f"connect video_grpo_gloo {1024**2}", "send", "send"]
+    assert client.calls == [("refit_with", "step-1"), ("refit_with", "step-2"), ("stamp", "step-3")]
+
+
+def test_after_a_restart_the_policy_reconnects_and_sends_the_served_version_again() -> None:
+    controller, policy, client = _refitting()
+    controller._reload_served_weights(None)  # nothing refitted yet: the server serves the checkpoint
+    assert client.calls == [] and policy.sync == []
+    controller.refit(1)
+    controller._reload_served_weights(None)
+    assert policy.sync == [f"connect video_grpo_gloo {1024**2}", "send", f"connect video_grpo_gloo {1024**2}", "send"]
+    assert client.calls == [("refit_with", "step-1"), ("refit_with", "step-1")]
+
+
+def test_a_restart_waits_for_the_step_holding_the_weights() -> None:
+    controller, policy, client = _refitting()
+    controller.refit(1)
+    reloaded = threading.Event()
+    with controller.weights_lock:
+        worker = threading.Thread(target=lambda: (controller._reload_served_weights(None), reloaded.set()))
+        worker.start()
+        assert not reloaded.wait(0.3)  # blocked while the trainer holds the weights
+    worker.join(timeout=10)
+    assert reloaded.is_set() and policy.sync[-1] == "send"
+
+
+def test_from_disk_a_refit_exports_and_reloads_and_a_restart_reloads_the_same_directory(tmp_path: Any) -> None:
+    controller, policy, client = _refitting("refit.transport=disk")
+    controller.weights_dir = tmp_path / "weights"
+    exported: list[Any] = []
+    policy.save_hf_checkpoint = lambda target: (target.mkdir(parents=True), exported.append(target))  # type: ignore[attr-defined]
+    controller.refit(1)
+    controller.refit(2)
+    controller._reload_served_weights(None)
+    assert [p.name for p in exported] == ["step-1", "step-2"]
+    assert [p.name for p in controller.weights_dir.iterdir()] == ["step-2"]  # the older one removed
+    assert client.calls == [("refit", "step-1"), ("refit", "step-2"), ("refit", "step-2")]
+    assert policy.sync == []

@@ -30,7 +30,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from rl_bridge.megatron.policy import _write_safetensors
+from rl_bridge.megatron.policy import _write_safetensors, chunk_by_bytes
 from rl_bridge.paths import cache_dir
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
@@ -74,21 +74,6 @@ def prompt_logprobs(server: VLLMServer) -> list[Any]:
     response = requests.post(f"{server.openai_url}/completions", json=body, timeout=600)
     response.raise_for_status()
     return response.json()["choices"][0]["prompt_logprobs"]
-
-
-def shards(weights: dict[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The weights in shards of at most :data:`SHARD_BYTES` (a larger tensor alone)."""
-    shard: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > SHARD_BYTES:
-            yield shard
-            shard, size = [], 0
-        shard.append((name, tensor))
-        size += nbytes
-    if shard:
-        yield shard
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
@@ -127,7 +112,7 @@ def bench(name: str, overrides: dict[str, Any], *, repeats: int, bucket_mb: int)
             def disk() -> None:
                 target = scratch / f"weights-{next(counter)}"
                 target.mkdir()
-                _write_safetensors(target, shards(weights))
+                _write_safetensors(target, chunk_by_bytes(weights.items(), SHARD_BYTES))
                 shutil.copy2(other / "config.json", target / "config.json")
                 client.refit(target, version=target.name)
                 shutil.rmtree(target)

@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -660,19 +660,7 @@ class MegatronPolicy:
         A tensor larger than ``max_chunk_bytes`` forms a chunk of its own. For senders that ship
         weights to an inference engine in bounded pieces.
         """
-        if max_chunk_bytes < 1:
-            raise ValueError(f"export_hf_weight_chunks: max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
-        chunk: list[tuple[str, torch.Tensor]] = []
-        chunk_bytes = 0
-        for name, tensor in self.export_hf_weights():
-            size = tensor.numel() * tensor.element_size()
-            if chunk and chunk_bytes + size > max_chunk_bytes:
-                yield chunk
-                chunk, chunk_bytes = [], 0
-            chunk.append((name, tensor))
-            chunk_bytes += size
-        if chunk:
-            yield chunk
+        return chunk_by_bytes(self.export_hf_weights(), max_chunk_bytes)
 
     def save_hf_checkpoint(self, directory: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Write the current weights as an HF checkpoint directory that vLLM and transformers load.
@@ -838,6 +826,26 @@ class MegatronPolicy:
         self._step = int(state["step"])
         _set_rng_state(state["rng"])
         return self._step
+
+
+def chunk_by_bytes(
+    pairs: Iterable[tuple[str, torch.Tensor]], max_chunk_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``pairs`` in order, grouped into chunks of at most ``max_chunk_bytes`` bytes (a larger
+    tensor forms a chunk of its own)."""
+    if max_chunk_bytes < 1:
+        raise ValueError(f"export_hf_weight_chunks: max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+    chunk: list[tuple[str, torch.Tensor]] = []
+    chunk_bytes = 0
+    for name, tensor in pairs:
+        size = tensor.numel() * tensor.element_size()
+        if chunk and chunk_bytes + size > max_chunk_bytes:
+            yield chunk
+            chunk, chunk_bytes = [], 0
+        chunk.append((name, tensor))
+        chunk_bytes += size
+    if chunk:
+        yield chunk
 
 
 def _write_safetensors(directory: Path, shards: Iterator[list[tuple[str, torch.Tensor]]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -149,3 +150,37 @@ def test_close_wakes_a_blocked_collector_and_trainer() -> None:
         thread.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
     assert None in out
+
+
+def _row_id_rebuilt(num_rows: int, seed: int, position: int) -> int:
+    """``DataOrder.row_id`` as it was computed before the permutation was cached: the whole pass
+    shuffled again for every position."""
+    epoch, index = divmod(position, num_rows)
+    order = list(range(num_rows))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order[index]
+
+
+def test_data_order_caches_a_pass_and_gives_the_same_rows_as_before() -> None:
+    order = DataOrder(num_rows=7, seed=3)
+    positions = list(range(5 * 7))
+    assert [order.row_id(p) for p in positions] == [_row_id_rebuilt(7, 3, p) for p in positions]
+    # Out of order too: an evicted position of an earlier pass handed out again, then back.
+    for position in (34, 2, 33, 15, 0, 34):
+        assert order.row_id(position) == _row_id_rebuilt(7, 3, position)
+    # One shuffle per pass, not one per position.
+    shuffles = 0
+    real_shuffle = random.Random.shuffle
+
+    def counting_shuffle(self: random.Random, x: list[int]) -> None:
+        nonlocal shuffles
+        shuffles += 1
+        real_shuffle(self, x)
+
+    fresh = DataOrder(num_rows=50, seed=1, epochs=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(random.Random, "shuffle", counting_shuffle)
+        rows = [fresh.row_id(p) for p in range(150)]
+    assert shuffles == 3
+    assert rows == [_row_id_rebuilt(50, 1, p) for p in range(150)]
+    assert fresh == DataOrder(50, 1, 3) and "_last_pass" not in repr(fresh)

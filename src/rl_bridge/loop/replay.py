@@ -40,13 +40,19 @@ class DataOrder:
     """Which training row each data position is.
 
     Pass ``e`` visits every row once, in the order ``random.Random(f"{seed}/{e}").shuffle``
-    gives, so position ``p`` depends only on ``seed``, ``num_rows`` and ``p``.
+    gives, so position ``p`` depends only on ``seed``, ``num_rows`` and ``p``. The permutation of
+    the last pass asked for is kept, so :meth:`row_id` costs O(1) except at the first position of
+    a pass (and at a position of another pass handed out again after an eviction): O(rows).
     """
 
     num_rows: int
     seed: int
     epochs: int | None = None
     """Passes over the rows; ``None``: unbounded."""
+    _last_pass: tuple[int, tuple[int, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """``(pass, its permutation)`` of the last :meth:`row_id` call; a cache, not state."""
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:
@@ -68,9 +74,18 @@ class DataOrder:
         if position < 0 or (self.total is not None and position >= self.total):
             raise IndexError(f"data position {position} is outside [0, {self.total})")
         epoch, index = divmod(position, self.num_rows)
+        return self._permutation(epoch)[index]
+
+    def _permutation(self, epoch: int) -> tuple[int, ...]:
+        """The rows of pass ``epoch`` in visiting order (cached for the last pass asked for)."""
+        cached = self._last_pass  # one read: another thread may replace it meanwhile
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         order = list(range(self.num_rows))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order[index]
+        permutation = tuple(order)
+        object.__setattr__(self, "_last_pass", (epoch, permutation))  # frozen dataclass: the cache only
+        return permutation
 
 
 @dataclass(frozen=True)

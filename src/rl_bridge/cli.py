@@ -162,6 +162,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rl_bridge.loop.config import load_recipe
+    from rl_bridge.loop.placement import GiB, Hardware, PlacementError, plan_placement
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    gpus, memory = args.gpus_per_node, args.gpu_memory_gib
+    if gpus is None or memory is None:  # what this host has
+        here = Hardware.detect()
+        gpus = here.gpus_per_node if gpus is None else gpus
+        memory = here.gpu_memory_bytes / GiB if memory is None else memory
+    try:
+        hardware = Hardware(args.nodes, gpus, round(memory * GiB))
+    except ValueError as error:
+        print(f"video-grpo plan: {error} (set --gpus-per-node and --gpu-memory-gib)", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_placement(recipe, hardware)
+    except PlacementError as error:
+        print(f"video-grpo plan: {error}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    return 0
+
+
 def _cmd_gym_dataset(args: argparse.Namespace) -> int:
     from gym_video_env.datasets import main as datasets_main
 
@@ -215,6 +239,25 @@ def _parser() -> argparse.ArgumentParser:
         help="async recipes: continue the run in the recipe's run_dir from its latest checkpoint",
     )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=5")
+
+    p = add(
+        "plan",
+        _cmd_plan,
+        "Print where a recipe's processes run (vLLM replicas, policy ranks and their parallel groups, "
+        "the reference policy) and each role's memory per GPU, or why it cannot run on the hardware "
+        "(exit 2). Starts nothing.",
+    )
+    p.add_argument(
+        "-r", "--recipe", type=Path, default=None, help="recipe YAML (default: the built-in tiny CPU recipe)"
+    )
+    p.add_argument("--nodes", type=int, default=1, help="hosts (default: 1)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per host (default: the CUDA GPUs seen here)"
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="memory of one GPU in GiB (default: GPU 0's here)"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. model.placement=colocated")
 
     p = add("tiny-model", _cmd_tiny_model, "Build (or reuse from cache) a tiny random-weight VLM checkpoint.")
     p.add_argument("family", choices=["qwen2_5_vl", "qwen3_vl", "nemotron_vl"])

@@ -98,6 +98,11 @@ class ModelSection(_Section):
     """GPUs per vLLM replica (``--tensor-parallel-size``); divides ``vllm_gpus``."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of each vLLM GPU's memory vLLM may take (``--gpu-memory-utilization``)."""
+    placement: Literal["split", "colocated"] = "split"
+    """Where generation and training run (:func:`rl_bridge.loop.placement.plan_placement`):
+    ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;
+    ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``), vLLM asleep while the
+    policy trains. The training loop does not place by it yet."""
     policy_gpus: NonNegativeInt = 0
     """GPUs of the Megatron policy workers; 0: the policy runs on CPU. Data parallel size is
     ``policy_gpus / (policy_tensor_parallel_size * policy_pipeline_parallel_size)``."""

@@ -198,6 +198,8 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
             recipe, controller, metrics, desc="async grpo", started=started, initial_step=version
         )
         if checkpoint is None:
+            if recipe.warm_start.steps:  # a resumed run's checkpoint holds the warm-started weights
+                metrics.log(0, controller.warm_start())
             report.start()
         collector.start()
         step = version

@@ -405,6 +405,25 @@ class ValidationSection(_Section):
     """End the run once validation accuracy reaches ``target_accuracy``."""
 
 
+class WarmStartSection(_Section):
+    """Supervised steps on the task's demonstrations before the first GRPO step (a cold start).
+
+    Agentic RL recipes for real models start from an instruction-tuned checkpoint that already
+    writes tool calls and copies an argument from the question into one; a random tiny model does
+    neither. With ``steps > 0`` the policy first takes ``steps`` optimizer steps of token-mean
+    cross-entropy (:class:`rl_bridge.loop.warm_start.SupervisedLoss`) on the environment's
+    demonstration of each row's **first turn only** (the ``agentic`` task: the ``watch_segment``
+    call for the segment the question names), with the policy's own optimizer and learning rate,
+    and vLLM is refitted before the first validation. Nothing of the answer, the returned clip or
+    when to stop calling is demonstrated: GRPO learns those.
+    """
+
+    steps: NonNegativeInt = 0
+    """Supervised optimizer steps before GRPO; 0: none (the objective is GRPO's alone)."""
+    prompts_per_step: PositiveInt = 32
+    """Demonstrations per step, drawn from the training rows (seeded)."""
+
+
 class RefitSection(_Section):
     """How the trained weights reach vLLM after each step (:meth:`.controller.Controller.refit`)."""
 
@@ -519,6 +538,7 @@ class Recipe(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
+    warm_start: WarmStartSection = Field(default_factory=WarmStartSection)
     refit: RefitSection = Field(default_factory=RefitSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
@@ -557,6 +577,11 @@ class Recipe(_Section):
             raise ValueError(
                 "rollout.constrain_actions writes the tool calls it allows in the hermes format "
                 f"(<tool_call>{{json}}</tool_call>); model.tool_call_parser is {self.model.tool_parser!r}"
+            )
+        if self.warm_start.steps and self.task.environment != "agentic":
+            raise ValueError(
+                f"warm_start.steps={self.warm_start.steps}: only task.environment='agentic' has "
+                f"demonstrations (the named segment's call), got {self.task.environment!r}"
             )
         if self.train.dynamic_sampling and self.mode != "sync":
             raise ValueError(

@@ -577,3 +577,42 @@ class Controller:
         if "val/accuracy" not in scores:  # the reward is the grade
             scores["val/accuracy"] = sum(res.reward or 0.0 for res in results) / len(rows)
         return scores | {"val/failed": float(len(rows) - stats.outcomes["ok"])}
+
+    def warm_start(self) -> dict[str, float]:
+        """``warm_start.steps`` supervised steps on the task's first-turn demonstrations
+        (:mod:`rl_bridge.loop.warm_start`), then a refit so that vLLM serves the result as
+        ``step-0``. Metrics: ``warm_start/steps``, the first and last steps' loss and mean target
+        probability (``warm_start/loss_first``, ``.../loss_last``, ``.../target_prob_first``,
+        ``.../target_prob_last``), the held-out validation before it (``warm_start/before/val/*``;
+        the run's step-0 validation is after it) and ``warm_start/time_s``."""
+        from transformers import AutoTokenizer
+
+        from rl_bridge.loop.tasks import demonstration
+        from rl_bridge.loop.warm_start import SupervisedLoss, demonstration_samples, warm_start_batches
+
+        tokenizer = AutoTokenizer.from_pretrained(self.data.model_dir)
+        config = self.recipe.warm_start
+        started = time.monotonic()
+        loss = SupervisedLoss()
+        batches = warm_start_batches(
+            self.data.train_rows, steps=config.steps, per_step=config.prompts_per_step, seed=self.recipe.seed + 2
+        )
+        before = {f"warm_start/before/{name}": value for name, value in self.validate().items()}
+        records = []
+        with self.weights_lock:
+            for rows in batches:
+                actions = [demonstration(self.recipe.task, row) for row in rows]
+                samples = demonstration_samples(tokenizer, rows, actions)
+                step = self.roles.policy.train_step(samples, loss)
+                records.append((step.loss, step.loss_metrics.get("target_prob", float("nan"))))
+            self.refit(0)
+        (first_loss, first_prob), (last_loss, last_prob) = records[0], records[-1]
+        return {
+            **before,
+            "warm_start/steps": float(len(records)),
+            "warm_start/loss_first": first_loss,
+            "warm_start/loss_last": last_loss,
+            "warm_start/target_prob_first": first_prob,
+            "warm_start/target_prob_last": last_prob,
+            "warm_start/time_s": time.monotonic() - started,
+        }

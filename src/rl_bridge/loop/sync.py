@@ -6,13 +6,15 @@
    :func:`rl_bridge.loop.tasks.prepare_task`);
 2. starts vLLM (dev mode, for refits), the Gym servers on loopback and the Megatron policy
    (:func:`rl_bridge.loop.roles.start_roles`);
-3. per step, each stage timed, runs the stages of :class:`rl_bridge.loop.controller.Controller`:
+3. with ``warm_start.steps``, takes that many supervised steps on the task's first-turn
+   demonstrations and refits vLLM (:meth:`~rl_bridge.loop.controller.Controller.warm_start`);
+4. per step, each stage timed, runs the stages of :class:`rl_bridge.loop.controller.Controller`:
    rollout and preprocess (repeated with ``train.dynamic_sampling``), logprobs (``pi_old`` when
    the step needs it, the reference policy's with a KL term), train (``train.epochs x
    train.minibatches`` optimizer steps), refit (versioned by step);
-4. validates on the held-out rows with greedy decoding before the first step, every
+5. validates on the held-out rows with greedy decoding before the first step, every
    ``validation.every`` steps and after the last (:class:`rl_bridge.loop.report.RunReport`);
-5. logs every metric to TensorBoard and ``metrics.jsonl``, draws the PNG curves, saves a checkpoint,
+6. logs every metric to TensorBoard and ``metrics.jsonl``, draws the PNG curves, saves a checkpoint,
    writes ``summary.json`` and stops everything it started.
 """
 
@@ -55,6 +57,8 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         metrics = RunMetrics(run_dir)
         stack.callback(metrics.close)
         report = RunReport(recipe, controller, metrics, desc="grpo", started=started)
+        if recipe.warm_start.steps:
+            metrics.log(0, controller.warm_start())
         report.start()
         step = 0
         for step in range(1, recipe.train.steps + 1):

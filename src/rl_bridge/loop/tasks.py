@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -112,6 +113,18 @@ def action_choices(task: TaskSection, *, calls_only: bool = False) -> list[str]:
         hermes_tool_call(WATCH_SEGMENT_TOOL_NAME, {"segment": k}) for k in range(1, task.num_segments + 1)
     ]
     return calls if calls_only else [*option_letters(task), *calls]
+
+
+def demonstration(task: TaskSection, row: Mapping[str, Any]) -> str:
+    """The demonstrated first action of an ``agentic`` row (``warm_start``): the call of the
+    segment its question names, as :func:`action_choices` writes it.
+
+    Raises:
+        ValueError: the row names no segment (not an ``agentic`` row).
+    """
+    if row.get("named_segment") is None:
+        raise ValueError(f"row {row.get('task_id')!r} names no segment: only agentic rows have demonstrations")
+    return hermes_tool_call(WATCH_SEGMENT_TOOL_NAME, {"segment": int(row["named_segment"])})
 
 
 def turn_choices(recipe: Recipe) -> list[list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pydantic
@@ -109,3 +110,24 @@ def test_async_settings_are_validated() -> None:
         load_recipe(None, ["async.max_staleness=1"])
     with pytest.raises(pydantic.ValidationError, match="mode"):
         load_recipe(None, ["mode=fully_async"])
+
+
+def test_a_checkpoint_written_before_a_field_was_added_still_resumes() -> None:
+    from rl_bridge.loop.async_grpo import _check_resumable
+
+    recipe = load_recipe(None)
+    saved = json.loads(recipe.model_dump_json(by_alias=True))
+    del saved["model"]["placement"]  # a recipe.json from before model.placement existed
+    _check_resumable(saved, recipe)
+    saved["model"]["seed"] = 7
+    with pytest.raises(ValueError, match="recipe field 'model' changed"):
+        _check_resumable(saved, recipe)
+
+
+def test_colocated_gpus_are_counted_once() -> None:
+    recipe = load_recipe(
+        None,
+        ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2", "model.placement=colocated"],
+    )
+    assert recipe.model.num_gpus == 2
+    assert load_recipe(None, ["model.path=/x", "model.vllm_gpus=2", "model.policy_gpus=2"]).model.num_gpus == 4

@@ -368,8 +368,13 @@ def _restore(checkpoint: Path, controller: Controller, buffer: ReplayBuffer) -> 
 
 def _check_resumable(saved: Mapping[str, Any], recipe: Recipe) -> None:
     """Raise ``ValueError`` naming the first of :data:`_RESUME_KEYS` whose value in the saved
-    ``recipe.json`` differs from ``recipe``'s."""
+    ``recipe.json`` differs from ``recipe``'s. The saved recipe is read through today's
+    :class:`Recipe` first, so a field added since (at its default) is not a change."""
     current = recipe.model_dump(mode="json", by_alias=True)
+    try:
+        saved = Recipe.model_validate(saved).model_dump(mode="json", by_alias=True)
+    except ValueError:  # no longer a valid recipe: compare what was written
+        pass
     for key in _RESUME_KEYS:
         if saved.get(key) != current[key]:
             raise ValueError(

@@ -128,7 +128,10 @@ class ModelSection(_Section):
 
     @property
     def num_gpus(self) -> int:
-        """GPUs the run uses on its host: vLLM's plus the policy's (0: a CPU run)."""
+        """GPUs the run uses on its host: vLLM's plus the policy's, or the policy's alone when
+        colocated (vLLM shares them); 0: a CPU run."""
+        if self.placement == "colocated":
+            return self.policy_gpus
         return self.vllm_gpus + self.policy_gpus
 
     @property

@@ -131,3 +131,14 @@ def test_colocated_gpus_are_counted_once() -> None:
     )
     assert recipe.model.num_gpus == 2
     assert load_recipe(None, ["model.path=/x", "model.vllm_gpus=2", "model.policy_gpus=2"]).model.num_gpus == 4
+
+
+def test_a_colocated_gpu_run_is_refused_before_anything_starts() -> None:
+    from rl_bridge.loop.config import HardwareError
+
+    recipe = load_recipe(
+        None,
+        ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2", "model.placement=colocated"],
+    )
+    with pytest.raises(HardwareError, match="placement='colocated' can be planned"):
+        recipe.require_hardware()

@@ -619,8 +619,8 @@ class Recipe(_Section):
         """Fail early, before anything is built or started, when this machine cannot run the recipe.
 
         A recipe with GPUs (``model.vllm_gpus + model.policy_gpus > 0``) needs CUDA and that many
-        devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed. CPU
-        recipes always pass.
+        devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed; a
+        colocated GPU placement is refused (planned, not started yet). CPU recipes always pass.
 
         Raises:
             HardwareError: what is missing, and which recipe fields ask for it.
@@ -630,6 +630,11 @@ class Recipe(_Section):
             return
         import torch
 
+        if model.placement == "colocated":
+            raise HardwareError(
+                "model.placement='colocated' can be planned (video-grpo plan) but the loop starts "
+                "split placements only so far: vLLM and the policy on separate GPUs"
+            )
         what = f"model.path={model.path!r}" if model.path is not None else f"model.family={model.family!r}"
         asked = f"model.vllm_gpus={model.vllm_gpus} + model.policy_gpus={model.policy_gpus}"
         if not torch.cuda.is_available():

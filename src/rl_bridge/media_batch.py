@@ -17,7 +17,7 @@ import hashlib
 import io
 import os
 import urllib.parse
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -80,6 +80,8 @@ class StoreStats:
     """Parts that were loaded and processed (the rest were served from the store)."""
     unique_bytes: int
     """Bytes of the processed tensors held, each distinct content once."""
+    evicted: int = 0
+    """Entries dropped to stay within the store's byte bound (least recently used first)."""
 
 
 class MediaStore:
@@ -88,7 +90,10 @@ class MediaStore:
     The key is the SHA-256 of the media bytes, the media kind and the processor's fingerprint;
     a local file's key is remembered by path, size and modification time, so a file shared by many
     samples is read once. Use one store for the samples that should share tensors (a training
-    step, or a group); entries live as long as the store. Not thread-safe.
+    step, or a group). With ``max_bytes`` the store holds at most that many bytes of tensors,
+    dropping the least recently used entries first (a run's store then stays bounded however long
+    it runs; samples keep the tensors they already hold); without it entries live as long as the
+    store. Not thread-safe.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class MediaStore:
         *,
         decode_cache: DecodeCache | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
+        max_bytes: int | None = None,
     ) -> None:
         """
         Args:
@@ -108,14 +114,23 @@ class MediaStore:
                 :func:`~vllm_video_plugin.cache.shared_decode_cache` (shared with vLLM's loader
                 when both use the same disk tier).
             limits: decode limits (input size, frame size, frame count, time).
+            max_bytes: bound on the bytes of tensors held (least recently used dropped first; the
+                newest entry always stays); ``None``: unbounded.
         """
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"MediaStore: max_bytes must be positive, got {max_bytes}")
         self.processor = processor
         self.settings = settings
         self.decode_cache = decode_cache
         self.limits = limits
-        self._by_key: dict[str, ProcessedMedia] = {}
+        self.max_bytes = max_bytes
+        self._by_key: OrderedDict[str, ProcessedMedia] = OrderedDict()
         self._file_keys: dict[tuple[str, int, int], str] = {}
+        self._files_of: dict[str, list[tuple[str, int, int]]] = {}
         self._requests = 0
+        self._processed = 0
+        self._bytes = 0
+        self._evicted = 0
 
     def get(self, part: MediaPart) -> ProcessedMedia:
         """The processed tensors of ``part``, processing its content on first use.
@@ -126,7 +141,9 @@ class MediaStore:
         self._requests += 1
         file_id, data = self._read(part)
         if file_id is not None and file_id in self._file_keys:
-            return self._by_key[self._file_keys[file_id]]
+            key = self._file_keys[file_id]
+            self._by_key.move_to_end(key)
+            return self._by_key[key]
         assert data is not None
         digest = hashlib.sha256(data).hexdigest()
         key = f"{part.kind}:{self.processor.fingerprint}:{digest}"
@@ -134,15 +151,31 @@ class MediaStore:
         if processed is None:
             processed = self._process(part, data)
             self._by_key[key] = processed
+            self._processed += 1
+            self._bytes += processed.nbytes
+        else:
+            self._by_key.move_to_end(key)
         if file_id is not None:  # only once processed: a file that failed fails again, with its reason
             self._file_keys[file_id] = key
+            self._files_of.setdefault(key, []).append(file_id)
+        self._evict()
         return processed
+
+    def _evict(self) -> None:
+        """Drop least recently used entries (and the file identities naming them) until the store
+        is within ``max_bytes``; the newest entry stays."""
+        if self.max_bytes is None or self._bytes <= self.max_bytes:
+            return
+        while self._bytes > self.max_bytes and len(self._by_key) > 1:
+            key, media = self._by_key.popitem(last=False)
+            self._bytes -= media.nbytes
+            self._evicted += 1
+            for file_id in self._files_of.pop(key, ()):
+                del self._file_keys[file_id]
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            requests=self._requests,
-            processed=len(self._by_key),
-            unique_bytes=sum(media.nbytes for media in self._by_key.values()),
+            requests=self._requests, processed=self._processed, unique_bytes=self._bytes, evicted=self._evicted
         )
 
     def _read(self, part: MediaPart) -> tuple[tuple[str, int, int] | None, bytes | None]:

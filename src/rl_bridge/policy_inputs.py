@@ -149,6 +149,7 @@ class PolicyInputBuilder:
         limits: DecodeLimits = DEFAULT_LIMITS,
         trained_turns: TrainedTurns = "all",
         grammars: Sequence[GrammarMasks] = (),
+        max_store_bytes: int | None = None,
     ) -> None:
         """
         Args:
@@ -167,11 +168,15 @@ class PolicyInputBuilder:
                 ``grammars[min(i, len(grammars) - 1)]`` (a first turn may have its own). Each
                 target token then carries the mask vLLM applied there. Empty: decoding was not
                 constrained.
+            max_store_bytes: bound on the processed media kept for reuse (:class:`MediaStore`'s
+                ``max_bytes``); ``None``: unbounded.
         """
         self.trained_turns = trained_turns
         self.grammars = tuple(grammars)
         self.processor = processor
-        self.store = MediaStore(processor, settings, decode_cache=decode_cache, limits=limits)
+        self.store = MediaStore(
+            processor, settings, decode_cache=decode_cache, limits=limits, max_bytes=max_store_bytes
+        )
         self.metrics = MediaMetrics()
 
     def prompt_media(self, prompt: str | Sequence[Any]) -> tuple[ProcessedMedia, ...]:

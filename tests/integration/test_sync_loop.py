@@ -65,6 +65,9 @@ def test_every_row_is_accounted_for(run: tuple[dict, list[dict], Path]) -> None:
         assert record["preprocess/media/placeholder_pass_rate"] == 1.0
         # Zero-advantage samples stay in the loss: every unmasked sample is trained.
         assert record["train/num_samples"] == record["preprocess/samples"]
+        # The processed-media store is bounded (train.media_store_mb) and the trainer's memory logged.
+        assert 0 < record["preprocess/media/store_mb"] <= load_recipe(None).train.media_store_mb
+        assert record["memory/trainer_rss_mb"] > 100
     assert summary["rows"] == STEPS * ROWS == summary["rows_ok"]
     assert summary["masked"] == 0
 

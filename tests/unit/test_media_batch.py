@@ -313,3 +313,36 @@ def test_collate_references_shared_media_until_the_forward(
     broken = PolicySample(input_ids=samples[0].input_ids, target_mask=samples[0].target_mask, media=(clip,))
     with pytest.raises(ValueError, match="video placeholder tokens .* but its media need"):
         collate([broken], pad_token_id=0, media_tokens=tokens)
+
+
+def test_a_bounded_store_drops_the_least_recently_used_and_reprocesses_on_return(
+    processor: QwenVLProcessor, media: dict[str, Path]
+) -> None:
+    root = media["prompt"].parent
+    unbounded = MediaStore(processor, MediaSettings(media_root=root), decode_cache=DecodeCache())
+
+    def part(path: Path):
+        return parse_trajectory([_call([1], [2])], prompt=[_user([_video(path)])]).media[0]
+
+    sizes = {name: unbounded.get(part(path)).nbytes for name, path in media.items()}
+    # Room for the two largest clips together, not for all three.
+    bound = sum(sizes.values()) - min(sizes.values()) // 2
+    store = MediaStore(processor, MediaSettings(media_root=root), decode_cache=DecodeCache(), max_bytes=bound)
+    first = store.get(part(media["prompt"]))
+    store.get(part(media["left"]))
+    assert store.get(part(media["prompt"])) is first  # a hit makes "prompt" the most recent
+    store.get(part(media["right"]))  # over the bound: "left", the least recently used, goes
+    stats = store.stats()
+    assert stats.evicted == 1 and stats.processed == 3 and stats.unique_bytes <= bound
+    assert stats.unique_bytes == sizes["prompt"] + sizes["right"]
+    assert store.get(part(media["prompt"])) is first  # still held
+    again = store.get(part(media["left"]))  # dropped: processed again, same tensors
+    assert store.stats().processed == 4 and store.stats().unique_bytes <= bound
+    assert torch.equal(again.tensors["pixel_values_videos"], unbounded.get(part(media["left"])).tensors["pixel_values_videos"])
+    # One entry larger than the bound stays (the newest always does) and evicts the rest.
+    tiny = MediaStore(processor, MediaSettings(media_root=root), decode_cache=DecodeCache(), max_bytes=1)
+    tiny.get(part(media["left"]))
+    tiny.get(part(media["right"]))
+    assert tiny.stats().evicted == 1 and tiny.stats().unique_bytes == sizes["right"]
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        MediaStore(processor, MediaSettings(media_root=root), max_bytes=0)

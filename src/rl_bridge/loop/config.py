@@ -383,6 +383,7 @@ class TrainSection(_Section):
     rounds were made (then it trains on the groups it has). Counted in ``dynamic/*``. A departure
     from GRPO, off by default; ``mode: sync`` only."""
     dynamic_sampling_max_rounds: PositiveInt = 4
+    """Most rollout rounds of ``rollout.prompts_per_step`` prompts per step with ``dynamic_sampling``."""
     trained_turns: Literal["all", "last"] = "all"
     """Which model turns of a multi-turn trajectory carry its advantage: ``"all"`` (every
     generated token, the standard multi-turn GRPO) or ``"last"`` (only the final turn's; earlier
@@ -390,7 +391,11 @@ class TrainSection(_Section):
     turns' output (``segments`` pushes the next clip whatever the model said), whose tokens would
     otherwise get the final answer's credit; a departure, off by default. Counted in
     ``preprocess/trained_turns_per_sample``."""
-    """Most rollout rounds of ``rollout.prompts_per_step`` prompts per step with ``dynamic_sampling``."""
+    media_store_mb: PositiveInt = 2048
+    """Bound on the trainer's processed media kept for reuse across samples and steps, MiB
+    (:class:`rl_bridge.media_batch.MediaStore`, least recently used dropped first; a dropped clip
+    that recurs is processed again). Keeps a long run's host memory flat. Counted in
+    ``preprocess/media/store_mb`` and ``preprocess/media/store_evicted``."""
     loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     checkpoint_at_end: bool = True
     """Write a training checkpoint (model, optimizer, step) and an HF export of the weights

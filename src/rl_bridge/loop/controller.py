@@ -194,6 +194,7 @@ class Controller:
             MediaSettings(media_root=data.media_root),
             trained_turns=recipe.train.trained_turns,
             grammars=[GrammarMasks(data.model_dir, choices) for choices in turn_choices(recipe)],
+            max_store_bytes=recipe.train.media_store_mb * 1024**2,
         )
         self.loss = GRPOPolicyLoss(recipe.train.loss)
         self._order: list[int] = []
@@ -293,6 +294,7 @@ class Controller:
             for inputs in kept
         ]
         samples = batch.samples
+        store = self.inputs.store.stats()
         metrics = {
             "preprocess/samples": float(len(samples)),
             "preprocess/zero_advantage_samples": float(sum(s.advantage == 0.0 for s in samples)),
@@ -312,6 +314,8 @@ class Controller:
             ),
             **{f"preprocess/{k}": float(v) for k, v in grouped.metrics().items()},
             **{f"preprocess/{k}": float(v) for k, v in self.inputs.metrics.as_dict().items()},
+            "preprocess/media/store_mb": store.unique_bytes / 2**20,
+            "preprocess/media/store_evicted": float(store.evicted),
         }
         return batch, metrics
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGES", "RunMetrics", "read_metrics", "step_totals", "write_curves"]
+__all__ = ["STAGES", "RunMetrics", "read_metrics", "resident_mb", "step_totals", "write_curves"]
 
 #: The timed stages of a step, in order (``time/<stage>_s`` metrics).
 STAGES = ("rollout", "preprocess", "logprobs", "train", "refit", "validation")
@@ -129,3 +131,13 @@ def step_totals(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
         "rows_ok": sum(int(r.get("rollout/ok", 0)) for r in steps),
         "masked": sum(int(r.get("preprocess/masked", 0)) for r in steps),
     }
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, MiB (``/proc/self/statm``; where there is none, the
+    peak from ``getrusage``)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

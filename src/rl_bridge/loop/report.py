@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import RunMetrics, step_totals
+from rl_bridge.loop.metrics import RunMetrics, resident_mb, step_totals
 
 __all__ = ["RunReport"]
 
@@ -73,7 +73,9 @@ class RunReport:
 
     def step_done(self, step: int, step_metrics: Mapping[str, float]) -> bool:
         """Log the step's metrics, validate when due, advance the bar; whether the run should stop
-        here (``validation.stop_at_target`` and the accuracy reached the target)."""
+        here (``validation.stop_at_target`` and the accuracy reached the target). Adds the
+        trainer process's resident memory (``memory/trainer_rss_mb``)."""
+        step_metrics = {**step_metrics, "memory/trainer_rss_mb": resident_mb()}
         self.metrics.log(step, step_metrics)
         if self.every and step % self.every == 0:
             self.validate(step)

@@ -197,6 +197,27 @@ def test_train_step_moves_each_response_in_the_sign_of_its_advantage(
     assert metrics.as_dict()["train/loss"] == metrics.loss
 
 
+def test_a_forward_only_reference_holds_only_its_weights_and_gives_the_same_logprobs(
+    trained: Trained, tiny_qwen25vl: Path, samples: list[PolicySample]
+) -> None:
+    reference = MegatronPolicy(tiny_qwen25vl, policy_config(trainable=False))
+    # The checkpoint's weights: the trainable policy's logprobs before its step.
+    assert max_diff(reference.logprobs(samples), trained.old_logprobs) <= 1e-6
+    held = reference.state_bytes()
+    parameters = sum(p.numel() for p in reference.model[0].parameters())
+    assert held == {"parameters": 4 * parameters, "gradients": 0, "optimizer": 0}  # fp32, nothing else
+    assert not any(p.requires_grad for p in reference.model[0].parameters())
+    # The trained policy after one Adam step: fp32 weights, an fp32 gradient buffer, two moments.
+    policy = trained.policy.state_bytes()
+    assert policy["parameters"] == held["parameters"]
+    assert policy["gradients"] >= held["parameters"] and policy["optimizer"] >= 2 * held["parameters"]
+    per_parameter = sum(policy.values()) / parameters
+    assert per_parameter >= 16 and sum(held.values()) / parameters == 4
+    with pytest.raises(RuntimeError, match="forward-only"):
+        reference.train_step(trained.batch, GRPOPolicyLoss(GRPOLossConfig()))
+    assert reference.learning_rate == 0.0
+
+
 def test_gradient_accumulation_does_not_depend_on_the_micro_batch_split(
     trained: Trained, tiny_qwen25vl: Path
 ) -> None:

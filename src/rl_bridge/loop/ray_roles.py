@@ -271,7 +271,7 @@ class PolicyWorker:
             self._policies["policy"] = MegatronPolicy(model_dir, config)
             if with_reference:
                 self._policies["reference"] = MegatronPolicy(
-                    model_dir, dataclasses.replace(config, learning_rate=0.0)
+                    model_dir, dataclasses.replace(config, trainable=False)
                 )
         return layout
 

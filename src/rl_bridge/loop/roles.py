@@ -147,7 +147,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     config = recipe.policy_config(data.token_support(recipe))
     policy = MegatronPolicy(data.model_dir, config)
     reference = (
-        MegatronPolicy(data.model_dir, dataclasses.replace(config, learning_rate=0.0))
+        MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False))
         if needs_reference(recipe.train.loss)
         else None
     )

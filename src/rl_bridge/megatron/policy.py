@@ -211,6 +211,10 @@ class PolicyConfig:
     vision_attention: VisionAttention = "segment_batched"
     """The vision tower's attention core (see :data:`.model.VisionAttention`); ``segment_batched``
     is the same function with far fewer kernel launches (GPU)."""
+    trainable: bool = True
+    """``False``: a forward-only policy, such as the frozen reference of a KL term: no DDP gradient
+    buffers, no optimizer, parameters in ``dtype`` without gradients (``dtype``'s bytes per
+    parameter instead of about 16); :meth:`MegatronPolicy.train_step` and checkpoints refuse."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -283,9 +287,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_path: str | Path, config: PolicyConfig | None = None) -> None:
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.utils import get_model_config
+        from megatron.core.distributed import DistributedDataParallelConfig
 
         self.config = config or PolicyConfig()
         self.hf_path = Path(hf_path)
@@ -304,33 +306,19 @@ class MegatronPolicy:
             freeze_vision=self.config.freeze_vision,
             freeze_projector=self.config.freeze_projector,
             layer_spec=self.config.layer_spec,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=half),
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=half) if self.config.trainable else None,
             recompute=self.config.recompute,
             vision_attention=self.config.vision_attention,
         )
         if len(self._model) != 1:
             raise RuntimeError(f"MegatronPolicy: expected one model chunk, got {len(self._model)}")
-        beta1, beta2 = self.config.adam_betas
-        optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=self.config.learning_rate,
-            weight_decay=self.config.weight_decay,
-            adam_beta1=beta1,
-            adam_beta2=beta2,
-            adam_eps=self.config.adam_eps,
-            clip_grad=self.config.clip_grad,
-            bf16=self.config.dtype == torch.bfloat16,
-            fp16=self.config.dtype == torch.float16,
-            params_dtype=self.config.dtype,
-        )
-        self._optimizer: MegatronOptimizer = get_megatron_optimizer(
-            optimizer_config_for_host(optimizer_config), self._model
-        )
-        # What megatron-core's schedule calls around the backward passes (as Megatron-LM sets up).
-        model_config = get_model_config(self._model[0])
-        model_config.grad_scale_func = self._optimizer.scale_loss
-        model_config.no_sync_func = self._model[0].no_sync
-        model_config.finalize_model_grads_func = finalize_model_grads
+        self._optimizer: MegatronOptimizer | None = None
+        if self.config.trainable:
+            self._build_optimizer()
+        else:
+            for parameter in self._model[0].parameters():
+                parameter.requires_grad_(False)
+            self._model[0].eval()
 
         hf_config = self._bridge.hf_pretrained.config
         text_config = hf_config.text_config
@@ -360,17 +348,73 @@ class MegatronPolicy:
             else None
         )
 
+    def _build_optimizer(self) -> None:
+        """Megatron's Adam over the trainable parameters, and the hooks megatron-core's schedule
+        calls around the backward passes (as Megatron-LM sets them up)."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        beta1, beta2 = self.config.adam_betas
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
+            adam_beta1=beta1,
+            adam_beta2=beta2,
+            adam_eps=self.config.adam_eps,
+            clip_grad=self.config.clip_grad,
+            bf16=self.config.dtype == torch.bfloat16,
+            fp16=self.config.dtype == torch.float16,
+            params_dtype=self.config.dtype,
+        )
+        self._optimizer = get_megatron_optimizer(optimizer_config_for_host(optimizer_config), self._model)
+        model_config = get_model_config(self._model[0])
+        model_config.grad_scale_func = self._optimizer.scale_loss
+        model_config.no_sync_func = self._model[0].no_sync
+        model_config.finalize_model_grads_func = finalize_model_grads
+
+    def _require_trainable(self, what: str) -> MegatronOptimizer:
+        if self._optimizer is None:
+            raise RuntimeError(f"MegatronPolicy.{what}: this policy is forward-only (PolicyConfig.trainable=False)")
+        return self._optimizer
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the policy's state: ``parameters`` (in the compute dtype),
+        ``gradients`` (DDP's gradient buffers) and ``optimizer`` (fp32 master weights and Adam's
+        moments; Adam creates its moments at the first step)."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        module = self._model[0]
+        parameters = sum(p.numel() * p.element_size() for p in module.parameters())
+        buffers = (
+            [*module.buffers, *module.expert_parallel_buffers] if isinstance(module, DistributedDataParallel) else []
+        )
+        gradients = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+        optimizer = 0
+        if self._optimizer is not None:
+            seen: set[int] = set()
+            for inner in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
+                tensors = [t for state in inner.optimizer.state.values() for t in state.values()]
+                for group in getattr(inner, "fp32_from_float16_groups", ()):
+                    tensors.extend(group)
+                for tensor in tensors:
+                    if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        optimizer += tensor.numel() * tensor.element_size()
+        return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
+
     # -- properties ---------------------------------------------------------------------------------
 
     @property
     def model(self) -> list[MegatronModule]:
-        """The DDP-wrapped Megatron modules (one chunk)."""
+        """The Megatron modules (one chunk), DDP-wrapped when trainable."""
         return self._model
 
     @property
     def optimizer(self) -> MegatronOptimizer:
-        """Megatron's optimizer over the trainable parameters."""
-        return self._optimizer
+        """Megatron's optimizer over the trainable parameters (a forward-only policy has none)."""
+        return self._require_trainable("optimizer")
 
     @property
     def step(self) -> int:
@@ -379,8 +423,8 @@ class MegatronPolicy:
 
     @property
     def learning_rate(self) -> float:
-        """Current learning rate of the first parameter group."""
-        return float(self._optimizer.param_groups[0]["lr"])
+        """Current learning rate of the first parameter group (0 for a forward-only policy)."""
+        return float(self._optimizer.param_groups[0]["lr"]) if self._optimizer is not None else 0.0
 
     # -- forward passes through megatron-core's schedule ------------------------------------------
 
@@ -530,6 +574,7 @@ class MegatronPolicy:
         """
         from megatron.core import parallel_state
 
+        optimizer = self._require_trainable("train_step")
         micro_batches = self._micro_batches(batch, micro_batch_size)
         dp_group = parallel_state.get_data_parallel_group()
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -587,9 +632,9 @@ class MegatronPolicy:
 
         self._model[0].train()
         self._model[0].zero_grad_buffer()
-        self._optimizer.zero_grad()
+        optimizer.zero_grad()
         reported = self._run_schedule(micro_batches, loss_for, forward_only=False)
-        update_successful, grad_norm, _ = self._optimizer.step()
+        update_successful, grad_norm, _ = optimizer.step()
         self._step += 1
 
         step_loss = torch.tensor(sum(r["loss"] for r in reported), dtype=torch.float64, device=self._device)
@@ -776,7 +821,7 @@ class MegatronPolicy:
         target.mkdir(parents=True, exist_ok=True)
         state = {
             "model": self._model[0].state_dict(),
-            "optimizer": self._optimizer.state_dict(),
+            "optimizer": self._require_trainable("save_checkpoint").state_dict(),
             "step": self._step,
             "rng": _rng_state(),
         }
@@ -822,7 +867,7 @@ class MegatronPolicy:
             raise ValueError(f"load_checkpoint: {source} has {found}; this run expects {expected}")
         state = torch.load(rank_path, map_location="cpu", weights_only=True)
         self._model[0].load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
+        self._require_trainable("load_checkpoint").load_state_dict(state["optimizer"])
         self._step = int(state["step"])
         _set_rng_state(state["rng"])
         return self._step

@@ -40,6 +40,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
         "task.val_rows=4",
         "validation.every=0",
         "train.checkpoint_at_end=false",
+        "train.loss.kl_coef=0.01",  # the forward-only reference policy in the loop
     )
     assert json.loads((trained.run_dir / "recipe.json").read_text())["task"]["environment"] == "segments"
     return trained.summary, trained.steps
@@ -81,3 +82,11 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer_on_every_turn(
         # three generated turns (before this step's update) are the same function in fp32.
         assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.01
         assert record["mismatch/seq_mult_prob_error_max"] < 1.05
+
+
+def test_the_forward_only_reference_gives_the_kl_term(run: tuple[dict, list[dict]]) -> None:
+    _, steps = run
+    # Step 1 trains the checkpoint's weights, which the reference holds: no divergence yet. Later
+    # steps' policies have moved away from it.
+    assert steps[0]["train/loss/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(record["train/loss/kl"] > 1e-6 for record in steps[1:])

@@ -157,3 +157,21 @@ def test_warm_start_needs_an_environment_with_demonstrations() -> None:
         load_recipe(None, ["warm_start.steps=5"])
     recipe = load_recipe(Path("recipes/tiny_cpu_agentic.yaml"), ["warm_start.steps=5"])
     assert recipe.warm_start.steps == 5
+
+
+def test_demonstrations_carry_the_first_turn_grammar_s_masks(rows: list[dict], tiny_qwen25vl: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rl_bridge.structured_outputs import GrammarMasks, unpack_bitmask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
+    task = load_recipe(Path("recipes/tiny_cpu_agentic.yaml")).task
+    grammar = GrammarMasks(tiny_qwen25vl, action_choices(task, calls_only=True))
+    actions = [demonstration(task, row) for row in rows]
+    for sample in demonstration_samples(tokenizer, rows, actions, grammar):
+        targets = sample.input_ids[sample.target_mask]
+        assert sample.allowed_tokens is not None and sample.allowed_tokens.shape == (len(targets), grammar.words)
+        allowed = unpack_bitmask(sample.allowed_tokens, len(tokenizer))
+        assert all(bool(allowed[i, token]) for i, token in enumerate(targets.tolist()))
+        # The segment number is a choice among the three calls; the tokens before it are forced.
+        assert int(allowed.sum(-1).max()) > 1

@@ -595,6 +595,7 @@ class Controller:
         from rl_bridge.loop.warm_start import SupervisedLoss, demonstration_samples, warm_start_batches
 
         tokenizer = AutoTokenizer.from_pretrained(self.data.model_dir)
+        grammar = self.inputs.grammars[0] if self.inputs.grammars else None  # the first turn's
         config = self.recipe.warm_start
         started = time.monotonic()
         loss = SupervisedLoss()
@@ -606,7 +607,7 @@ class Controller:
         with self.weights_lock:
             for rows in batches:
                 actions = [demonstration(self.recipe.task, row) for row in rows]
-                samples = demonstration_samples(tokenizer, rows, actions)
+                samples = demonstration_samples(tokenizer, rows, actions, grammar)
                 step = self.roles.policy.train_step(samples, loss)
                 records.append((step.loss, step.loss_metrics.get("target_prob", float("nan"))))
             self.refit(0)

@@ -9,7 +9,8 @@ right). ``warm_start.steps`` gives the policy that starting point inside the run
 
 - :func:`demonstration_samples` renders each row's first prompt with the model's chat template
   and its tools (the prompt vLLM renders for the same request), followed by the demonstrated
-  action's tokens and the end token; only those are targets.
+  action's tokens and the end token; only those are targets, under the masks of the grammar the
+  first turn is decoded with (so only the decisions carry loss, as in the rollouts).
 - :class:`SupervisedLoss` is token-mean cross-entropy over the targets, a
   :class:`~rl_bridge.megatron.policy.PolicyLoss` like GRPO's, so the same policy, optimizer,
   micro-batching and data parallelism run it.
@@ -28,6 +29,7 @@ import torch
 
 from rl_bridge.megatron.batch import MicroBatch, PolicySample
 from rl_bridge.megatron.policy import StepCounts
+from rl_bridge.structured_outputs import GrammarMasks
 
 __all__ = ["SupervisedLoss", "demonstration_samples", "first_turn_messages", "warm_start_batches"]
 
@@ -35,7 +37,8 @@ __all__ = ["SupervisedLoss", "demonstration_samples", "first_turn_messages", "wa
 class SupervisedLoss:
     """Token-mean negative log-likelihood of the target tokens (samples with a positive loss
     weight): the step's loss is ``-sum(log p(target)) / targets``, whatever the micro-batch and
-    data-parallel split. Metric ``target_prob``: the mean probability of a target token."""
+    data-parallel split. Metric ``target_prob``: the mean probability of a target token (a token
+    a grammar forces counts with probability 1)."""
 
     def denominator(self, batch: MicroBatch) -> float:
         return float((batch.target_mask & (batch.loss_weights > 0).unsqueeze(-1)).sum())
@@ -80,10 +83,19 @@ def first_turn_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], l
 
 
 def demonstration_samples(
-    tokenizer: Any, rows: Sequence[Mapping[str, Any]], actions: Sequence[str]
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    actions: Sequence[str],
+    grammar: GrammarMasks | None = None,
 ) -> list[PolicySample]:
     """One supervised sample per row: its first prompt through ``tokenizer``'s chat template (with
-    its tools and the generation prompt), then ``actions[i]``'s tokens and the end token as targets."""
+    its tools and the generation prompt), then ``actions[i]``'s tokens and the end token as targets.
+
+    With ``grammar`` (the structured-outputs grammar the first turn is decoded under) each target
+    carries the grammar's mask there, as a rollout's tokens do: the policy's softmax runs over the
+    same tokens vLLM samples from, so a forced token has probability 1 and no gradient, and the
+    loss is the decisions' alone (which segment to call).
+    """
     samples = []
     for row, action in zip(rows, actions, strict=True):
         messages, tools = first_turn_messages(row)
@@ -95,7 +107,8 @@ def demonstration_samples(
         ids = torch.tensor([*prompt, *target], dtype=torch.int64)
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[len(prompt) :] = True
-        samples.append(PolicySample(input_ids=ids, target_mask=mask, advantage=0.0))
+        allowed = grammar.bitmasks(target) if grammar is not None else None
+        samples.append(PolicySample(input_ids=ids, target_mask=mask, advantage=0.0, allowed_tokens=allowed))
     return samples
 
 

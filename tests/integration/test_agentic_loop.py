@@ -46,7 +46,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
         f"train.steps={STEPS}",
         f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.group_size={GROUP}",
-        "task.train_rows=8",
         f"task.val_rows={VAL_ROWS}",
         f"validation.every={STEPS}",
         "train.checkpoint_at_end=false",

@@ -24,14 +24,21 @@ With a ``supervisor`` (e.g. a :class:`~rl_bridge.services.supervisor.ServiceSupe
 server behind the agent), every infrastructure failure first asks it to make sure its server is
 healthy, restarting it if it died; that call blocks while a restart runs. A row whose failure came
 with a restart (the server's generation changed since the row was dispatched) is re-dispatched
-without using one of its ``max_attempts``: the row was fine, the server was not. Each row still
-ends exactly once, in one result.
+without using one of its ``max_attempts``: the row was fine, the server was not. Unless the row
+itself kills the server: the supervisor counts the restarts each prompt was in flight for
+(:meth:`~rl_bridge.services.supervisor.ServiceSupervisor.dispatch`, keyed by :func:`prompt_key`),
+dispatches a prompt with ``crash_budget`` of them alone, and convicts it if the server dies then;
+a convicted prompt's rows end ``content_failed`` with that reason (``crashed_server``), now and in
+later calls, and the run goes on. Each row still ends exactly once, in one result.
 
 Uses threads and ``requests``: the agent does the slow work, the client only waits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +48,8 @@ from typing import Any, Literal, Protocol
 
 import requests
 
+from rl_bridge.services.supervisor import Dispatch, InputCrashedServer
+
 __all__ = [
     "ROLLOUT_OUTCOMES",
     "RolloutOutcome",
@@ -49,6 +58,7 @@ __all__ = [
     "RolloutStats",
     "ServerGuard",
     "collect_rollouts",
+    "prompt_key",
 ]
 
 RolloutOutcome = Literal["ok", "policy_fault", "content_failed", "infra_failed"]
@@ -66,6 +76,16 @@ class ServerGuard(Protocol):
     def ensure_healthy(self) -> int:
         """Block until the server is healthy, restarting it if it is down; return its generation.
         Raises ``rl_bridge.services.process.ServiceError`` when it cannot be brought back."""
+        ...
+
+    def dispatch(self, key: str) -> contextlib.AbstractContextManager[Dispatch]:
+        """Hold while a request for input ``key`` is in flight (alone when it is a suspect); raises
+        :class:`~rl_bridge.services.supervisor.InputCrashedServer` for a convicted input."""
+        ...
+
+    def restarted_under(self, dispatch: Dispatch) -> bool:
+        """After a failed request: was the server restarted under it? Raises
+        :class:`~rl_bridge.services.supervisor.InputCrashedServer` when that convicts its input."""
         ...
 
 
@@ -110,6 +130,8 @@ class RolloutResult:
     """The agent's answer when ``outcome`` is ``"ok"`` or ``"policy_fault"``, else ``None``."""
     error: str | None = None
     """The last failure (status and body, or the exception), when not ``ok``."""
+    crashed_server: bool = False
+    """``content_failed`` because the row's prompt was convicted of killing the server."""
 
     @property
     def reward(self) -> float | None:
@@ -134,18 +156,21 @@ class RolloutStats:
     """Re-dispatches after a restart of the supervised server (all rows)."""
     server_restarts: int = 0
     """Restarts of the supervised server during the call."""
+    crashed_server: int = 0
+    """Rows masked because their prompt kills the server (among ``content_failed``)."""
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """``rollout/rows``, ``rollout/ok``, ``rollout/policy_fault``, ``rollout/content_failed``,
         ``rollout/infra_failed``, ``rollout/retries``, ``rollout/redispatches``,
-        ``rollout/server_restarts``, ``rollout/wall_s``."""
+        ``rollout/server_restarts``, ``rollout/crashed_server``, ``rollout/wall_s``."""
         return {
             "rollout/rows": float(self.rows),
             **{f"rollout/{name}": float(self.outcomes[name]) for name in ROLLOUT_OUTCOMES},
             "rollout/retries": float(self.retries),
             "rollout/redispatches": float(self.redispatches),
             "rollout/server_restarts": float(self.server_restarts),
+            "rollout/crashed_server": float(self.crashed_server),
             "rollout/wall_s": self.wall_s,
         }
 
@@ -162,10 +187,27 @@ class _ContentError(Exception):
     """A failure caused by the row; re-dispatching gives the same answer."""
 
 
+def prompt_key(row: Mapping[str, Any]) -> str:
+    """What identifies a row's input for the server: a digest of its ``responses_create_params``
+    without the sampling settings (the G samples of a prompt share it)."""
+    params = dict(row.get("responses_create_params") or row)
+    for name in ("temperature", "top_p", "max_output_tokens", "seed"):
+        params.pop(name, None)
+    encoded = json.dumps(params, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(encoded, digest_size=12).hexdigest()
+
+
 def _excerpt(text: str, head: int = 200, tail: int = 600) -> str:
     """``text`` shortened to its start and its end: a Gym agent's error quotes the inner server's
     answer, whose reason comes last."""
     return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
+
+
+def _dispatched(
+    supervisor: ServerGuard | None, key: str
+) -> contextlib.AbstractContextManager[Dispatch | None]:
+    """The supervisor's hold on the server for one request of input ``key`` (none without one)."""
+    return supervisor.dispatch(key) if supervisor is not None else contextlib.nullcontext()
 
 
 def _run_once(
@@ -227,19 +269,30 @@ def collect_rollouts(
     def run(index: int) -> RolloutResult:
         error = ""
         attempts = redispatches = 0
+        key = prompt_key(rows[index])
         with requests.Session() as session:
             while attempts < settings.max_attempts:
-                generation = supervisor.generation if supervisor is not None else 0
                 try:
-                    result = _run_once(session, url, rows[index], settings.timeout_s)
-                    outcome: RolloutOutcome = "policy_fault" if result.get("policy_fault") else "ok"
-                    return RolloutResult(index, outcome, attempts + 1, redispatches, result=result)
-                except _ContentError as failure:
-                    error = str(failure)
-                    return RolloutResult(index, "content_failed", attempts + 1, redispatches, error=error)
-                except _InfraError as failure:
-                    error = str(failure)
-                if supervisor is not None and supervisor.ensure_healthy() != generation:
+                    with _dispatched(supervisor, key) as held:
+                        try:
+                            result = _run_once(session, url, rows[index], settings.timeout_s)
+                        except _ContentError as failure:
+                            error = str(failure)
+                            return RolloutResult(
+                                index, "content_failed", attempts + 1, redispatches, error=error
+                            )
+                        except _InfraError as failure:
+                            error = str(failure)
+                            restarted = held is not None and supervisor.restarted_under(held)
+                        else:
+                            outcome: RolloutOutcome = "policy_fault" if result.get("policy_fault") else "ok"
+                            return RolloutResult(index, outcome, attempts + 1, redispatches, result=result)
+                except InputCrashedServer as verdict:
+                    error = str(verdict)
+                    return RolloutResult(
+                        index, "content_failed", attempts + 1, redispatches, error=error, crashed_server=True
+                    )
+                if restarted:
                     redispatches += 1  # the server was restarted under this row: not the row's fault
                     continue
                 attempts += 1
@@ -257,6 +310,7 @@ def collect_rollouts(
             stats.outcomes[result.outcome] += 1
             stats.retries += result.attempts - 1
             stats.redispatches += result.redispatches
+            stats.crashed_server += result.crashed_server
             if on_done is not None:
                 on_done(result)
     except BaseException:

@@ -5,6 +5,13 @@ The bad rows (truncated, not a video, missing, zero-length, corrupt...: the corp
 must complete, mask each of them with a reason that names its file, and account for every row:
 ``trained + sum(masked/<reason>) == rows`` in every step.
 
+One of them kills vLLM whenever vLLM decodes it, as a decoder crash on a corrupt stream would: the
+corrupt-middle clip, through ``tests/fixtures/poison_video`` on vLLM's ``PYTHONPATH`` (its process
+group dies with SIGKILL when this package's loader is handed those bytes). The loop's supervisor
+restarts vLLM, dispatches the suspect alone, convicts it when vLLM dies again, and masks its
+samples (``rollout_crashed_server``, naming why); its restarts do not count against the restart
+budget, and the run goes on.
+
 The run also samples at temperature 0.7 (vLLM's processed logprobs against the trainer's logits
 divided by 0.7: the mismatch must stay near 1) and trains each rollout batch in 2 epochs of 2
 PPO mini-batches (4 optimizer steps, ``pi_old`` recomputed before the first), and refits from
@@ -14,9 +21,11 @@ samples with the weights step 1 exported and vLLM reloaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections import Counter
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -24,15 +33,19 @@ from rl_bridge.loop.config import load_recipe
 from rl_bridge.loop.controller import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
 from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task
+from rl_bridge.paths import project_root
 from tests.fixtures.bad_inputs import FaultRecorder
+from tests.fixtures.poison_video.sitecustomize import POISON_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # 25 training rows, 5 of them bad; 2 steps of 13 prompts see every row at least once.
 TRAIN_ROWS, PROMPTS, GROUP, STEPS, FRACTION = 25, 13, 2, 2, 0.2
 
-# Refused by the servers (an HTTP 4xx, not retried), or by the trainer's media loading.
-MASK_REASONS = {"rollout_content_failed", "media_undecodable", "media_unavailable"}
+# Refused by the servers (an HTTP 4xx, not retried), or by the trainer's media loading; the poison
+# clip's samples, as the input that kills vLLM.
+MASK_REASONS = {"rollout_content_failed", "media_undecodable", "media_unavailable", "rollout_crashed_server"}
+POISON = "corrupt_middle.mp4"
 
 Run = tuple[dict, list[dict], list[dict], dict[str, str]]
 """The summary, the step records, the masked-row log and the bad rows (task id -> file name)."""
@@ -59,7 +72,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             "refit.transport=disk",
         ],
     )
-    summary = run_sync(recipe)
+    # The rows are a pure function of the recipe: the poison clip's bytes are known before the run.
+    (poison,) = {
+        path for row in prepare_task(recipe).train_rows if (path := _video_path(row, run_dir)).name == POISON
+    }
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", POISON_ENV)}
+    os.environ[POISON_ENV] = hashlib.sha256(poison.read_bytes()).hexdigest()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(project_root() / "tests" / "fixtures" / "poison_video"), saved["PYTHONPATH"]])
+    )
+    try:
+        summary = run_sync(recipe)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     masked = [json.loads(line) for line in (run_dir / MASKED_ROWS_FILE).read_text().splitlines()]
     # The rows are a pure function of the recipe: the bad ones and the file each points at.
@@ -74,6 +103,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def _video_url(row: dict) -> str:
     (part,) = [p for p in row["responses_create_params"]["input"][0]["content"] if p["type"] == "input_video"]
     return part["video_url"]
+
+
+def _video_path(row: dict, run_dir: Path) -> Path:
+    url = _video_url(row)
+    return Path(url.removeprefix("file://")) if url.startswith("file://") else run_dir / "media" / url
 
 
 def test_the_run_completes_with_a_mix_of_bad_rows(run: Run) -> None:
@@ -146,6 +180,30 @@ def test_each_bad_row_is_masked_with_a_reason_naming_its_file(
     # The model server names the file it cannot find in the error itself.
     (missing,) = [task_id for task_id, name in bad.items() if name == "missing_file.mp4"]
     assert all("missing_file.mp4: no such file" in entry["detail"] for entry in by_row[missing])
+
+
+def test_the_clip_that_kills_vllm_is_convicted_and_masked_and_the_run_goes_on(
+    run: Run, record_fault: FaultRecorder
+) -> None:
+    summary, steps, masked, bad = run
+    (poison_id,) = [task_id for task_id, name in bad.items() if name == POISON]
+    entries = [entry for entry in masked if entry["task_id"] == poison_id]
+    restarts = sum(record["rollout/server_restarts"] for record in steps)
+    crashed = sum(record["rollout/crashed_server"] for record in steps)
+    record_fault(
+        "video_that_kills_vllm_in_training",
+        f"{len(entries)} samples of the {POISON} row masked as {sorted({e['reason'] for e in entries})}; "
+        f"{int(restarts)} vLLM restarts; run completed {summary['steps']}/{STEPS} steps, "
+        f"{summary['rows_ok']}/{summary['rows']} rows ok",
+    )
+    # Its first crash among the step's other rows, then alone: two restarts, then never sent again.
+    assert entries and all(entry["reason"] == "rollout_crashed_server" for entry in entries), entries
+    assert all("killed the server" in entry["detail"] and "alone" in entry["detail"] for entry in entries)
+    assert crashed == len(entries) and restarts == 2
+    # Only the poison is blamed: every other masked sample has another reason.
+    others = [entry for entry in masked if entry["task_id"] != poison_id]
+    assert all(entry["reason"] != "rollout_crashed_server" for entry in others)
+    assert summary["steps"] == STEPS
 
 
 def test_at_temperature_0_7_vllm_and_the_trainer_agree(run: Run) -> None:

@@ -9,6 +9,7 @@ import pydantic
 import pytest
 
 from rl_bridge.loop.config import Recipe, apply_overrides, load_recipe
+from rl_bridge.loop.tasks import TaskData
 from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit
@@ -142,3 +143,39 @@ def test_a_colocated_gpu_run_is_refused_before_anything_starts() -> None:
     )
     with pytest.raises(HardwareError, match="placement='colocated' can be planned"):
         recipe.require_hardware()
+
+
+def _task_data(model_dir: Path, media_root: Path) -> TaskData:
+    return TaskData(model_dir=model_dir, media_root=media_root, train_rows=[], val_rows=[], letter_ids=[])
+
+
+def test_vllm_starts_with_the_load_format_and_the_run_s_contract(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    """The loop's vLLM checks the contract against the checkpoint at start-up (``--load-format
+    video_grpo``), and its loader samples with the same contract as the trainer's processor."""
+    from rl_bridge.loop.roles import run_processor, vllm_config
+    from vllm_video_plugin.contract import VideoSamplingContract
+    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
+
+    recipe = load_recipe(None, [])
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    config = vllm_config(recipe, data)
+    contract = run_processor(recipe, data).contract
+    assert config.load_format == MODEL_LOADER_NAME
+    args = config.extra_args
+    loader_config = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert VideoSamplingContract.model_validate(loader_config[CONTRACT_CONFIG_KEY]) == contract
+    assert config.media_io_kwargs == {"video": contract.to_media_io_kwargs()}
+
+    # A recipe contract that contradicts the checkpoint stops the run before any server starts.
+    wrong = contract.model_dump(mode="json", exclude_none=True) | {"patch_size": 16}
+    recipe = load_recipe(None, [f"model.video_contract={json.dumps(wrong)}"])
+    with pytest.raises(ValueError, match="contract patch_size=16, checkpoint vision_config.patch_size=14"):
+        vllm_config(recipe, data)
+
+
+def test_a_nemotron_recipe_needs_a_video_contract() -> None:
+    recipe = load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml")
+    assert recipe.model.video_contract is not None and recipe.model.video_contract.num_frames == 32
+    with pytest.raises(pydantic.ValidationError, match="needs model.video_contract"):
+        load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml", ["model.video_contract=null"])

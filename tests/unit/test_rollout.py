@@ -237,6 +237,80 @@ def test_rows_in_flight_when_the_backend_dies_are_redispatched_after_its_restart
     assert backend.up()
 
 
+@pytest.fixture
+def poisoned_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
+    """An agent whose backend dies whenever a row with the prompt ``"poison"`` reaches it (as a
+    video that crashes vLLM's decoder would); 502 while the backend is down."""
+    requests_seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                requests_seen[row["id"]] += 1
+                if row["responses_create_params"]["input"] == "poison" and backend.up():
+                    backend.kill()
+            time.sleep(0.05)
+            status, body = (200, {**row, "reward": 1.0}) if backend.up() else (502, {"error": "backend down"})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", requests_seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _prompt_row(row_id: str, prompt: str) -> dict[str, object]:
+    return {"id": row_id, "responses_create_params": {"input": prompt, "temperature": 1.0}}
+
+
+def test_a_prompt_that_kills_the_backend_every_time_is_convicted_and_the_rest_complete(
+    backend: _Backend, poisoned_agent: tuple[str, Counter[str]]
+) -> None:
+    url, requests_seen = poisoned_agent
+    # One restart not caused by a convicted prompt is all this supervisor allows: without the
+    # triage the poison's second crash would end the rollout.
+    policy = RestartPolicy(max_restarts=1, crash_budget=1, probe_interval_s=0.1)
+    supervisor = ServiceSupervisor(backend, policy)
+    rows = [_prompt_row(f"row-{i}", f"clip {i}") for i in range(10)]
+    # Two samples of one prompt.
+    rows[3:3] = [_prompt_row("poison-a", "poison"), _prompt_row("poison-b", "poison")]
+    settings = RolloutSettings(max_in_flight=4, max_attempts=2, backoff_s=0.0, timeout_s=10)
+    results, stats = collect_rollouts(url, rows, settings, supervisor=supervisor)
+
+    by_id = {row["id"]: result for row, result in zip(rows, results, strict=True)}
+    for row_id in ("poison-a", "poison-b"):
+        assert by_id[row_id].outcome == "content_failed" and by_id[row_id].crashed_server, by_id[row_id]
+        assert "killed the server" in (by_id[row_id].error or "")
+    assert all(by_id[f"row-{i}"].outcome == "ok" for i in range(10)), [r.error for r in results]
+    assert stats.crashed_server == 2 and stats.outcomes == {"ok": 10, "content_failed": 2}
+    # The first crash (the poison among others), then the poison alone: convicted, both excused.
+    assert stats.server_restarts == supervisor.generation == 2 and supervisor.failure is None
+    (reason,) = supervisor.convicted.values()
+    assert "2 times" in reason and "alone" in reason
+    # Each sample of it went out once before the first crash was noticed, then one of them alone.
+    assert requests_seen["poison-a"] + requests_seen["poison-b"] <= 3
+    assert backend.up()
+
+    # Later calls do not send the convicted prompt at all; the others still go.
+    later = [_prompt_row("poison-c", "poison"), rows[0]]
+    again, stats = collect_rollouts(url, later, settings, supervisor=supervisor)
+    assert [r.outcome for r in again] == ["content_failed", "ok"] and again[0].crashed_server
+    assert requests_seen["poison-c"] == 0 and stats.server_restarts == 0
+
+
 def test_supervisor_gives_up_after_max_restarts(backend: _Backend) -> None:
     supervisor = ServiceSupervisor(backend, RestartPolicy(max_restarts=1, probe_interval_s=0.1))
     assert supervisor.ensure_healthy() == 0  # healthy: no restart
@@ -262,3 +336,5 @@ def test_watch_restarts_a_dead_backend_without_any_caller(backend: _Backend) -> 
 def test_restart_policy_is_validated() -> None:
     with pytest.raises(ValueError, match="probe_attempts=0"):
         RestartPolicy(probe_attempts=0)
+    with pytest.raises(ValueError, match="crash_budget=0"):
+        RestartPolicy(crash_budget=0)

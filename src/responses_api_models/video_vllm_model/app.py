@@ -17,6 +17,10 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
 - A request vLLM refuses (HTTP 4xx: a video that does not decode, a ``file://`` URL outside its
   allowed path, a decode limit) is answered with vLLM's status and error body, not as a server
   error (the stock server does this for context-length errors only).
+- ``vllm_connection_retries`` bounds the retries of a vanished vLLM (the stock server retries
+  forever unless it follows an endpoint file): a caller that supervises vLLM decides instead
+  whether to restart it, re-dispatch, or stop sending an input that kills it, and an input that
+  does is not replayed into every restarted vLLM.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from nemo_gym.openai_utils import (
     NeMoGymResponse,
     NeMoGymResponseCreateParamsNonStreaming,
 )
-from pydantic import PositiveInt, PrivateAttr, field_validator
+from pydantic import NonNegativeInt, PositiveInt, PrivateAttr, field_validator
 from responses_api_models.vllm_model.app import (
     _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE,  # the stock server's marker for "answer with vLLM's status"
     VLLMModel,
@@ -71,6 +75,9 @@ class VideoVLLMModelConfig(VLLMModelConfig):
     ``--trust-request-mm-kwargs``). Off: vLLM's ``--media-io-kwargs`` must hold the same contract."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """Sent to vLLM on every request as ``mm_processor_kwargs`` (needs ``--trust-request-mm-kwargs``)."""
+    vllm_connection_retries: NonNegativeInt | None = None
+    """Connection-error retries of one request to vLLM (0.5 s apart) before it fails with HTTP 500.
+    ``None``: Gym's default, retry until vLLM answers again."""
 
     @field_validator("video_sampling_contract")
     @classmethod
@@ -108,6 +115,9 @@ class VideoVLLMModel(VLLMModel):
         if config.video_sampling_contract is not None:
             self._contract = VideoSamplingContract.model_validate(config.video_sampling_contract)
         super().model_post_init(context)
+        if config.vllm_connection_retries is not None:
+            for client in self._clients:
+                client.max_connection_retries = config.vllm_connection_retries
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
         """Prepare the media of the raw body, then serve it as the stock server does."""

@@ -281,6 +281,7 @@ def _rollout_metrics(results: Sequence[RolloutResult]) -> dict[str, float]:
         **{f"rollout/{name}": float(outcomes[name]) for name in ROLLOUT_OUTCOMES},
         "rollout/retries": float(sum(r.attempts - 1 for r in results)),
         "rollout/redispatches": float(sum(r.redispatches for r in results)),
+        "rollout/crashed_server": float(sum(r.crashed_server for r in results)),
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
     }
 

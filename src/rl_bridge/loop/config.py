@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 
 from gym_video_env.grading import AnswerFormat
 from rl_bridge.grpo import GRPOLossConfig
+from vllm_video_plugin.contract import VideoSamplingContract
 
 if TYPE_CHECKING:
     from rl_bridge.megatron.policy import PolicyConfig
@@ -116,6 +117,12 @@ class ModelSection(_Section):
     layer_spec: Literal["auto", "transformer_engine", "local", "local_sdpa"] = "auto"
     """The language model's layer implementation (``rl_bridge.megatron.model.LayerSpec``):
     ``transformer_engine`` requires Transformer Engine; ``auto`` uses it when installed."""
+    video_contract: VideoSamplingContract | None = None
+    """How vLLM's video loader and the trainer's processor sample and size frames (fields of
+    ``vllm_video_plugin.contract.VideoSamplingContract``). ``None``: the checkpoint's own (Qwen
+    families); Nemotron needs one (its frame count is a serving setting). vLLM starts with
+    ``--load-format video_grpo`` and this contract and stops at start-up when it contradicts the
+    checkpoint's vision geometry; the trainer's processor refuses it too, naming both values."""
     tool_call_parser: str | None = None
     """vLLM's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``), started
     when the task offers tools; ``None``: the family's (``hermes`` for Qwen2.5-VL, whose chat
@@ -159,6 +166,11 @@ class ModelSection(_Section):
         if self.path is not None and not self.path.strip():
             raise ValueError(
                 "model.path is empty: give a checkpoint directory or hub id, or null for the tiny model"
+            )
+        if self.family == "nemotron_omni" and self.video_contract is None:
+            raise ValueError(
+                "model.family='nemotron_omni' needs model.video_contract: its frame count is a serving "
+                "setting, not part of the checkpoint (e.g. {style: nemotron_rounded, num_frames: 32})"
             )
         if (self.vllm_gpus == 0) != (self.policy_gpus == 0):
             raise ValueError(
@@ -356,6 +368,11 @@ class RolloutSection(_Section):
     are masked instead."""
     max_in_flight: PositiveInt = 16
     max_attempts: PositiveInt = 3
+    crash_budget: PositiveInt = 1
+    """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;
+    if vLLM dies then, the prompt is convicted: its rows are masked (``rollout_crashed_server``,
+    ``rollout/crashed_server``), now and later, its restarts do not count against the supervisor's
+    budget, and the run goes on (:mod:`rl_bridge.services.supervisor`)."""
     timeout_s: PositiveFloat = 300.0
 
 

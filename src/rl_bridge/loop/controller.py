@@ -160,7 +160,6 @@ class Controller:
         from gym_video_env import MediaSettings
         from rl_bridge.megatron.policy import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
-        from rl_bridge.processors import load_processor
         from vllm_video_plugin.refit import RefitClient
 
         self.recipe = recipe
@@ -186,11 +185,12 @@ class Controller:
             max_attempts=recipe.rollout.max_attempts,
             timeout_s=recipe.rollout.timeout_s,
         )
+        from rl_bridge.loop.roles import run_processor
         from rl_bridge.loop.tasks import turn_choices
         from rl_bridge.structured_outputs import GrammarMasks
 
         self.inputs = PolicyInputBuilder(
-            load_processor(data.model_dir),
+            run_processor(recipe, data),
             MediaSettings(media_root=data.media_root),
             trained_turns=recipe.train.trained_turns,
             grammars=[GrammarMasks(data.model_dir, choices) for choices in turn_choices(recipe)],
@@ -225,7 +225,8 @@ class Controller:
             self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
         )
         self._log_masked(
-            (rows[res.index], f"rollout_{res.outcome}", res.error or "")
+            (rows[res.index], "rollout_crashed_server" if res.crashed_server else f"rollout_{res.outcome}",
+             res.error or "")
             for res in results
             if res.result is None
         )

@@ -10,6 +10,7 @@ actors.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ import torch
 from rl_bridge.grpo import needs_reference
 from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.tasks import TaskData
-from rl_bridge.services.supervisor import ServiceSupervisor
+from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
+    from rl_bridge.processors import MediaProcessor
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
 __all__ = ["PolicyHandle", "Roles", "start_local_roles", "start_roles", "vllm_config"]
@@ -77,19 +79,22 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
     structured-outputs backend the trainer replays.
     """
-    from rl_bridge.processors import load_processor
     from rl_bridge.services.vllm_server import VLLMServerConfig
     from rl_bridge.structured_outputs import STRUCTURED_OUTPUTS_BACKEND
+    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 
     model = recipe.model
-    extra_args: list[str] = []
+    contract = run_processor(recipe, data).contract
+    loader_config = {CONTRACT_CONFIG_KEY: contract.model_dump(mode="json", exclude_none=True)}
+    extra_args = ["--model-loader-extra-config", json.dumps(loader_config, sort_keys=True)]
     if model.vllm_tensor_parallel_size > 1:
         extra_args += ["--tensor-parallel-size", str(model.vllm_tensor_parallel_size)]
     if model.vllm_gpus:
         extra_args += ["--gpu-memory-utilization", str(model.vllm_gpu_memory_utilization)]
-    contract = load_processor(data.model_dir).contract
     return VLLMServerConfig(
         model=data.model_dir,
+        load_format=MODEL_LOADER_NAME,
         dtype=model.dtype,
         max_model_len=model.max_model_len,
         trust_remote_code=model.trust_remote_code,
@@ -105,6 +110,19 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         startup_timeout_s=900,
         extra_args=tuple(extra_args),
     )
+
+
+def run_processor(recipe: Recipe, data: TaskData) -> MediaProcessor:
+    """The trainer's media processor for the run's checkpoint and ``model.video_contract`` (the
+    checkpoint's own contract when ``None``).
+
+    Raises:
+        ValueError: the contract contradicts the checkpoint (both values named), or a Nemotron
+            checkpoint has none.
+    """
+    from rl_bridge.processors import load_processor
+
+    return load_processor(data.model_dir, recipe.model.video_contract)
 
 
 def weight_transfer_backend(recipe: Recipe) -> str | None:
@@ -152,7 +170,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         else None
     )
     vllm.wait_until_healthy()
-    supervisor = ServiceSupervisor(vllm)
+    supervisor = ServiceSupervisor(vllm, RestartPolicy(crash_budget=recipe.rollout.crash_budget))
     stack.enter_context(supervisor.watch())
     return Roles(
         vllm_base_url=vllm.base_url,

@@ -100,7 +100,10 @@ def video_model_server_spec(
     off, media resolve under ``media_root``, and a prompt over vLLM's context is answered with
     vLLM's 400 (``propagate_context_overflow_errors``; Gym's default is an empty assistant turn with
     no tokens), so ``video_tools_agent`` scores a later turn's overflow as a policy fault and a
-    first turn's as a bad row. ``fields`` add or override config fields (see the server's
+    first turn's as a bad row. A vanished vLLM fails a request after 8 connection retries (about
+    4 s; ``vllm_connection_retries``) instead of being retried until it answers: the caller's
+    supervisor restarts it and re-dispatches, and an input that kills vLLM is not replayed into each
+    restarted server. ``fields`` add or override config fields (see the server's
     ``configs/video_vllm_model.yaml``).
     """
     base = {
@@ -112,6 +115,7 @@ def video_model_server_spec(
         "uses_reasoning_parser": False,
         "media_root": media_root,
         "propagate_context_overflow_errors": True,
+        "vllm_connection_retries": 8,
     }
     return GymServerSpec(name, "responses_api_models", "video_vllm_model", {**base, **fields})
 

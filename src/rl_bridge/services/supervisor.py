@@ -5,10 +5,11 @@ A :class:`ServiceSupervisor` wraps a running server handle (a
 ``health_url`` and a ``restart()``). Callers ask it :meth:`~ServiceSupervisor.ensure_healthy` when a
 request failed in a way the server may be to blame for, and :meth:`~ServiceSupervisor.watch` runs
 the same check every few seconds in a thread, so that a dead server comes back even while its
-clients only wait (Gym's model server retries a vanished vLLM until it answers again, so the
-requests in flight then finish on their own). :meth:`~ServiceSupervisor.ensure_healthy` probes the
-server, restarts it when its process is gone or it failed
-``probe_attempts`` probes in a row, and returns the server's **generation**: 0 for the first
+clients only wait (a Gym model server that retries a vanished vLLM until it answers again finishes
+its requests in flight on its own; the loop's gives up after a few seconds instead, so that the
+caller re-dispatches, and can tell which input kills the server, below).
+:meth:`~ServiceSupervisor.ensure_healthy` probes the server, restarts it when its process is gone
+or it failed ``probe_attempts`` probes in a row, and returns the server's **generation**: 0 for the first
 launch, +1 per restart. A caller that remembers the generation it dispatched under can tell "the
 server was restarted under my request" (generation changed: re-dispatch) from "the server is
 fine, my request failed for another reason" (same generation)::
@@ -21,6 +22,24 @@ fine, my request failed for another reason" (same generation)::
 Concurrent callers are serialised: while one restarts the server the others wait, then see the new
 generation. After ``max_restarts`` restarts, a further failure raises :class:`ServiceError`
 (and so does every later call): a server that keeps dying needs a person, not another restart.
+
+**An input that kills the server.** A video that crashes vLLM's decoder would, re-dispatched
+after every restart, spend the whole restart budget and end the run. So requests go through
+:meth:`~ServiceSupervisor.dispatch` with a key naming their input (the rollout client uses the
+prompt), and the supervisor keeps the evidence: every restart that happened while an input was in
+flight is a *strike* against it. An input with ``crash_budget`` strikes is a suspect and is
+dispatched *alone* (no other request is in flight meanwhile); if the server dies then, the input
+is convicted: this and every later dispatch of it raises :class:`InputCrashedServer` (a row
+failure, with the reason), and the restarts it caused no longer count against ``max_restarts``.
+A suspect that runs alone without a crash is cleared. Innocent inputs that were in flight with a
+guilty one run alone once, and are never convicted::
+
+    with supervisor.dispatch(key) as dispatch:
+        try:
+            answer = post(row)
+        except ConnectionError:
+            if supervisor.restarted_under(dispatch):  # raises InputCrashedServer when convicted
+                ...  # re-dispatch: the server was restarted under this request
 """
 
 from __future__ import annotations
@@ -36,7 +55,14 @@ from typing import Generic, Protocol, TypeVar
 
 from rl_bridge.services.process import ManagedProcess, ServiceError
 
-__all__ = ["RestartPolicy", "RestartRecord", "Restartable", "ServiceSupervisor"]
+__all__ = [
+    "Dispatch",
+    "InputCrashedServer",
+    "RestartPolicy",
+    "RestartRecord",
+    "Restartable",
+    "ServiceSupervisor",
+]
 
 
 class Restartable(Protocol):
@@ -61,7 +87,13 @@ class RestartPolicy:
     """When the supervisor restarts a server and when it gives up."""
 
     max_restarts: int = 3
-    """Restarts over the supervisor's life; the next failure after them raises ``ServiceError``."""
+    """Restarts over the supervisor's life, not counting those of convicted inputs nor one while a
+    suspect runs alone; the next failure after them raises ``ServiceError``. An input's first
+    ``crash_budget`` restarts count until it is convicted: keep ``max_restarts >= crash_budget`` so
+    that one bad input never ends a run."""
+    crash_budget: int = 1
+    """Restarts an input may be in flight for, among other requests, before it is dispatched alone
+    (where one more restart convicts it)."""
     probe_timeout_s: float = 5.0
     """Longest wait for one health answer, seconds."""
     probe_attempts: int = 3
@@ -71,10 +103,10 @@ class RestartPolicy:
     """Wait between two failed probes, seconds."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.probe_attempts < 1:
+        if self.max_restarts < 0 or self.probe_attempts < 1 or self.crash_budget < 1:
             raise ValueError(
-                f"RestartPolicy: max_restarts={self.max_restarts} must be >= 0 and "
-                f"probe_attempts={self.probe_attempts} >= 1"
+                f"RestartPolicy: max_restarts={self.max_restarts} must be >= 0, "
+                f"probe_attempts={self.probe_attempts} >= 1 and crash_budget={self.crash_budget} >= 1"
             )
         if not self.probe_timeout_s > 0 or self.probe_interval_s < 0:
             raise ValueError(
@@ -93,6 +125,60 @@ class RestartRecord:
     """Why the server was judged down (exit code, or the last probe error)."""
     restart_s: float
     """Seconds from stopping the old server to the new one answering its health check."""
+
+
+class InputCrashedServer(Exception):
+    """The input was convicted of killing the server (see the module docstring); the message says
+    how often and the last restart's reason."""
+
+
+@dataclass
+class Dispatch:
+    """One request in flight under :meth:`ServiceSupervisor.dispatch`."""
+
+    key: str
+    generation: int
+    """The server's generation when the request went out."""
+    alone: bool
+    """Dispatched alone, as a suspect: no other request was in flight meanwhile."""
+    crashed: bool = False
+    """The server was restarted under the request (set by :meth:`ServiceSupervisor.restarted_under`)."""
+
+
+class _Gate:
+    """Many shared holders or one exclusive holder; a waiting exclusive holder goes first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._exclusive_waiting = 0
+
+    @property
+    def exclusive(self) -> bool:
+        """An exclusive holder holds the gate now."""
+        return self._exclusive
+
+    @contextlib.contextmanager
+    def hold(self, *, exclusive: bool) -> Iterator[None]:
+        with self._cond:
+            if exclusive:
+                self._exclusive_waiting += 1
+                self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+                self._exclusive_waiting -= 1
+                self._exclusive = True
+            else:
+                self._cond.wait_for(lambda: not self._exclusive and self._exclusive_waiting == 0)
+                self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if exclusive:
+                    self._exclusive = False
+                else:
+                    self._shared -= 1
+                self._cond.notify_all()
 
 
 class ServiceSupervisor(Generic[ServerT]):
@@ -121,6 +207,14 @@ class ServiceSupervisor(Generic[ServerT]):
         self._generation = 0
         self._restarts: list[RestartRecord] = []
         self._gave_up: str | None = None
+        self._gate = _Gate()
+        self._triage_lock = threading.Lock()  # not the restart lock: a restart takes minutes
+        self._strikes: dict[str, set[int]] = {}
+        """Per input key: the generations started by restarts while it was in flight."""
+        self._convicted: dict[str, str] = {}
+        """Per convicted input key: why."""
+        self._excused: set[int] = set()
+        """Generations started by restarts that a convicted input caused."""
 
     @property
     def generation(self) -> int:
@@ -159,6 +253,59 @@ class ServiceSupervisor(Generic[ServerT]):
             if problem is not None:
                 self._restart(problem)
             return self._generation
+
+    @property
+    def convicted(self) -> dict[str, str]:
+        """The inputs convicted of killing the server, with the reason (a copy)."""
+        with self._triage_lock:
+            return dict(self._convicted)
+
+    @contextlib.contextmanager
+    def dispatch(self, key: str) -> Iterator[Dispatch]:
+        """Hold while a request for input ``key`` is in flight; a suspect holds the server alone.
+
+        Raises:
+            InputCrashedServer: ``key`` was convicted; nothing is dispatched.
+        """
+        with self._triage_lock:
+            if key in self._convicted:
+                raise InputCrashedServer(self._convicted[key])
+            alone = len(self._strikes.get(key, ())) >= self.policy.crash_budget
+        with self._gate.hold(exclusive=alone):
+            with self._triage_lock:
+                if key in self._convicted:  # convicted while this dispatch waited for the gate
+                    raise InputCrashedServer(self._convicted[key])
+                dispatch = Dispatch(key, self._generation, alone)
+            yield dispatch
+            if alone and not dispatch.crashed:
+                with self._triage_lock:
+                    self._strikes.pop(key, None)
+
+    def restarted_under(self, dispatch: Dispatch) -> bool:
+        """After ``dispatch``'s request failed: make sure the server is up (:meth:`ensure_healthy`)
+        and say whether it was restarted under the request, recording the strike.
+
+        Raises:
+            InputCrashedServer: the request ran alone and the server died: ``dispatch.key`` is
+                convicted, its restarts excused.
+            ServiceError: as :meth:`ensure_healthy`.
+        """
+        generation = self.ensure_healthy()
+        if generation == dispatch.generation:
+            return False
+        dispatch.crashed = True
+        with self._triage_lock:
+            strikes = self._strikes.setdefault(dispatch.key, set())
+            strikes.update(range(dispatch.generation + 1, generation + 1))
+            if not dispatch.alone:
+                return True
+            self._excused.update(strikes)
+            self._convicted[dispatch.key] = (
+                f"{self.server.process.name} was restarted {len(strikes)} times while this input was in "
+                f"flight, the last time while it ran alone (so it killed the server: "
+                f"{self._restarts[-1].reason}); it is not dispatched again"
+            )
+            raise InputCrashedServer(self._convicted[dispatch.key])
 
     @property
     def failure(self) -> str | None:
@@ -203,10 +350,13 @@ class ServiceSupervisor(Generic[ServerT]):
         return problem
 
     def _restart(self, reason: str) -> None:
-        if len(self._restarts) >= self.policy.max_restarts:
+        counted = len(self._restarts) - len(self._excused)
+        # A restart while a suspect runs alone is the suspect's: its conviction excuses it.
+        if counted >= self.policy.max_restarts and not self._gate.exclusive:
+            excused = f", besides {len(self._excused)} caused by convicted inputs" if self._excused else ""
             self._gave_up = (
                 f"{self.server.process.name} is down ({reason}) and was already restarted "
-                f"{len(self._restarts)} times (max_restarts={self.policy.max_restarts}); giving up"
+                f"{counted} times{excused} (max_restarts={self.policy.max_restarts}); giving up"
             )
             raise ServiceError(self._gave_up)
         started = time.monotonic()

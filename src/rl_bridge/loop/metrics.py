@@ -69,10 +69,19 @@ def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: f
     ax = axes[0][0]
     ax.plot(*_series(history, "rollout/reward_mean"), label="train reward (sampled)")
     ax.plot(*_series(history, "val/accuracy"), marker="o", label="held-out accuracy (greedy)")
+    for name, label, style in (
+        ("warm_start/before/val/accuracy", "held-out accuracy before the warm start", "x"),
+        ("warm_start/before/val/tool_call_precision", "held-out calls to the named segment before it", "+"),
+        ("val/tool_call_precision", "held-out calls to the named segment (greedy)", "s--"),
+        ("rollout/tool_call_precision", "sampled calls to the named segment", ":"),
+    ):
+        steps, values = _series(history, name)
+        if values:
+            ax.plot(steps, values, style, label=label)
     if chance is not None:
         ax.axhline(chance, color="gray", linestyle=":", label="chance")
     ax.set(title="Reward", xlabel="step", ylim=(-0.02, 1.02))
-    ax.legend()
+    ax.legend(fontsize="small")
     ax = axes[0][1]
     for name in ("mismatch/token_mult_prob_error", "mismatch/seq_mult_prob_error_max"):
         ax.plot(*_series(history, name), marker=".", label=name.removeprefix("mismatch/"))
@@ -86,6 +95,7 @@ def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: f
         "rollout/retries",
         "rollout/redispatches",
         "rollout/server_restarts",
+        "rollout/crashed_server",
     ):
         ax.plot(*_series(history, name), marker=".", label=name)
     ax.set(title="Masked samples (by reason), retries and restarts", xlabel="step")

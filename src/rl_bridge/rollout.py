@@ -139,6 +139,12 @@ class RolloutResult:
         return None if self.result is None else float(self.result["reward"])
 
     @property
+    def mask_reason(self) -> str:
+        """Why the trainer masks the row when it has no result: ``rollout_crashed_server`` for a
+        prompt convicted of killing the server, else ``rollout_<outcome>``."""
+        return "rollout_crashed_server" if self.crashed_server else f"rollout_{self.outcome}"
+
+    @property
     def policy_fault(self) -> str | None:
         """The reason the agent gave for a ``policy_fault`` rollout, else ``None``."""
         return None if self.result is None else self.result.get("policy_fault")

@@ -225,8 +225,7 @@ class Controller:
             self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
         )
         self._log_masked(
-            (rows[res.index], "rollout_crashed_server" if res.crashed_server else f"rollout_{res.outcome}",
-             res.error or "")
+            (rows[res.index], res.mask_reason, res.error or "")
             for res in results
             if res.result is None
         )
@@ -266,7 +265,7 @@ class Controller:
             zero_signal=grouped.zero_signal.tolist(),
         )
         reasons = [
-            f"rollout_{res.outcome}" if inputs is None else inputs.mask_reason
+            res.mask_reason if inputs is None else inputs.mask_reason
             for res, inputs in zip(results, built, strict=True)
             if inputs is None or inputs.masked
         ]

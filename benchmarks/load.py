@@ -44,7 +44,7 @@ from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
 from rl_bridge.tiny_models import build_tiny_model
 
-WIDTH, HEIGHT, SECONDS, FPS = 320, 240, 4, 24
+WIDTH, HEIGHT, SECONDS, FPS = 640, 360, 8, 24
 STOCK_OPTIONS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"fps": 2, "max_frames": 64},
     "opencv": {"fps": 2, "max_frames": 64},
@@ -80,7 +80,7 @@ def videos(count: int) -> list[Path]:
                 frame = np.empty((HEIGHT, WIDTH, 3), dtype=np.uint8)
                 frame[:] = background
                 x = (frame_index * 5 + index * 7) % (WIDTH - 48)
-                frame[96:144, x : x + 48] = 255 - background
+                frame[HEIGHT // 2 - 24 : HEIGHT // 2 + 24, x : x + 48] = 255 - background
                 frames.append(frame)
             write_video(path, frames, fps=FPS, codec="libx264", gop=48, options={"x264-params": "bframes=3"})
         paths.append(path)
@@ -168,8 +168,8 @@ def run_loader(loader: str, model: Path, clips: list[Path], timeout_s: float, lo
     )
     with start_vllm_server(config, log_dir=logs / loader) as server:
         idle = thread_count(server.process.pid)
-        burst(server, clips[:2], timeout_s)  # warm-up: first-request initialisation off the clock
-        latencies, errors, hung, peak, wall = burst(server, clips, timeout_s)
+        burst(server, clips[-2:], timeout_s)  # warm-up (first-request set-up), clips the burst never sends
+        latencies, errors, hung, peak, wall = burst(server, clips[:-2], timeout_s)
     return Result(
         loader=loader,
         ok=len(latencies),
@@ -193,7 +193,7 @@ def main() -> int:
     args = parser.parse_args()
 
     model = build_tiny_model("qwen2_5_vl", seed=0)
-    clips = videos(args.requests)
+    clips = videos(args.requests + 2)
     logs = cache_dir("bench-load") / "logs"
     results = [run_loader(name, model, clips, args.timeout, logs) for name in args.loaders.split(",")]
 

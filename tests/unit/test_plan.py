@@ -77,9 +77,17 @@ def test_the_memory_estimate_follows_the_documented_formula() -> None:
     assert plan.policy_memory.weights == round(local * 2)  # bf16
     assert plan.policy_memory.gradients == round(local * 4)  # fp32 gradient buffer
     assert plan.policy_memory.optimizer == round(local * 12 / 2)  # master + 2 moments, / DP 2
-    # 3 clips x 1024 video tokens + 4 answers x 256 + 256 text tokens, 2 per micro-batch.
+    # 3 clips x 1024 video tokens + 4 answers x 256 + 256 text tokens, 2 per micro-batch; the vision
+    # tower sees 4 patches a video token (1280 wide, 32 blocks, not split by TP). The recipe
+    # recomputes: each layer's input kept, one layer's 17 elements at a time; x 1.9 measured.
     tokens = 2 * (3 * 1024 + 4 * 256 + 256)
-    assert plan.policy_memory.activations == round(tokens * 3584 * 28 * 17 * 2 / 2)
+    patches = 2 * 3 * 1024 * 4
+    elements = tokens * 3584 * 28 / 2 * (1 + 17 / 28) + patches * 1280 * 32 * (1 + 17 / 32)
+    assert recipe.train.recompute == "full"
+    assert plan.policy_memory.activations == round(elements * 2 * 1.9)
+    kept = plan_placement(load_recipe(RECIPES / "qwen2_5_vl_7b_gpu.yaml", ["train.recompute=none"]), BIG_HOST)
+    elements = tokens * 3584 * 28 / 2 * 17 + patches * 1280 * 32 * 17
+    assert kept.policy_memory.activations == round(elements * 2 * 1.9)
     assert plan.reference and plan.reference_memory is not None
     assert plan.reference_memory.total == round(local * 2)  # forward-only, on the policy's GPUs
     assert plan.vllm_memory.weights == math.ceil(params * 2 / 2)
@@ -192,7 +200,8 @@ def test_a_tensor_parallel_group_stays_on_one_node() -> None:
 def test_a_role_that_does_not_fit_its_gpu_is_refused() -> None:
     # Nemotron Omni's policy on four 80 GiB GPUs (TP 4 x EP 4, DP 1: nothing shards the optimizer).
     message = _refusal("nemotron_nano_omni_gpu", ONE_HOST)
-    assert "a policy GPU needs about 144.9 GiB" in message and "over the GPU memory of 80.0 GiB" in message
+    assert "a policy GPU needs about 151.2 GiB" in message and "over the GPU memory of 80.0 GiB" in message
+    assert "a smaller train.micro_batch_size (now 1), train.recompute=full (now none)" in message
     message = _refusal("qwen2_5_vl_3b_gpu", ONE_HOST, "model.vllm_gpu_memory_utilization=0.05")
     assert "weights need about 7.0 GiB per GPU (TP 1), over the 4.0 GiB" in message
     assert "model.vllm_gpu_memory_utilization=0.05 reserves of a 80.0 GiB GPU" in message
@@ -262,7 +271,7 @@ def test_cli_plan_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "placement: split    hardware: 1 node x 8 GPUs x 80.0 GiB" in out
     assert "role    replica/rank  devices      parallel group      memory GiB" in out
     assert "vllm    replica 1     n0:g2 n0:g3  TP 2" in out
-    assert "policy  rank 3        n0:g7        TP [2 3]  DP [1 3]  60.2" in out
+    assert "policy  rank 3        n0:g7        TP [2 3]  DP [1 3]  54.3" in out
     assert cli_main([*argv, "model.placement=colocated", "model.vllm_gpu_memory_utilization=0.3"]) == 0
     assert "placement: colocated" in capsys.readouterr().out
 

@@ -408,6 +408,11 @@ class TrainSection(_Section):
     turns' output (``segments`` pushes the next clip whatever the model said), whose tokens would
     otherwise get the final answer's credit; a departure, off by default. Counted in
     ``preprocess/trained_turns_per_sample``."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation (``rl_bridge.megatron.model.Recompute``): ``full`` keeps only each
+    layer's input, language model and vision tower, and recomputes the layer in the backward pass
+    (about a third more compute, a fraction of the activation memory; CUDA only). The planner
+    sizes a micro-batch's activations by it."""
     media_store_mb: PositiveInt = 2048
     """Bound on the trainer's processed media kept for reuse across samples and steps, MiB
     (:class:`rl_bridge.media_batch.MediaStore`, least recently used dropped first; a dropped clip
@@ -603,6 +608,11 @@ class Recipe(_Section):
                 "rollout.constrain_actions writes the tool calls it allows in the hermes format "
                 f"(<tool_call>{{json}}</tool_call>); model.tool_call_parser is {self.model.tool_parser!r}"
             )
+        if self.train.recompute != "none" and self.model.num_gpus == 0:
+            raise ValueError(
+                f"train.recompute={self.train.recompute!r} needs GPUs (megatron-core's recomputation is "
+                "CUDA-only): set model.vllm_gpus and model.policy_gpus, or train.recompute=none"
+            )
         if self.warm_start.steps and self.task.environment != "agentic":
             raise ValueError(
                 f"warm_start.steps={self.warm_start.steps}: only task.environment='agentic' has "
@@ -703,6 +713,7 @@ class Recipe(_Section):
             learning_rate=self.train.learning_rate,
             weight_decay=self.train.weight_decay,
             micro_batch_size=self.train.micro_batch_size,
+            recompute=self.train.recompute,
             temperature=self.rollout.temperature,
             token_support=tuple(token_support) if token_support is not None else None,
         )

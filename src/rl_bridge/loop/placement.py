@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTIVATION_BYTES_PER_ELEMENT",
+    "ACTIVATION_MEASURED_FACTOR",
     "KNOWN_CHECKPOINTS",
     "NEMOTRON_OMNI_ENCODER_PARAMETERS",
     "TEXT_TOKENS_PER_SAMPLE",
@@ -68,6 +69,15 @@ ACTIVATION_BYTES_PER_ELEMENT = 17
 per byte of the compute dtype: Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models") count ``34 s b h`` bytes per layer in 16-bit without recomputation when
 the attention scores are not stored (flash/SDPA attention): 17 elements of 2 bytes."""
+
+ACTIVATION_MEASURED_FACTOR = 1.9
+"""Measured peak activation memory over :data:`ACTIVATION_BYTES_PER_ELEMENT`'s count (language
+model and vision tower): one policy rank of ``recipes/qwen2_5_vl_3b_gpu.yaml`` on an H200
+(``benchmarks/policy_role.py``, ``benchmarks/results/policy_role_h200.json``: 4 samples of 1,698
+tokens and 4,096 vision patches a micro-batch) peaked 70.2 GiB above the policy state, against
+37.1 GiB counted. What the count leaves out grows with the same tokens (SwiGLU intermediates wider
+than ``4 h``, attention workspace, the chunked logprobs, allocator fragmentation); the factor keeps
+the estimate at the measurement."""
 
 TEXT_TOKENS_PER_SAMPLE = 256
 """Tokens a sample spends on the chat template, the question and the options, added to its video
@@ -183,6 +193,11 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
+    vision_hidden_size: int = 0
+    """Width of the vision tower's blocks (0: its activations are not counted)."""
+    vision_layers: int = 0
+    patches_per_token: int = 1
+    """Vision patches merged into one video token (``spatial_merge_size ** 2``)."""
 
     @property
     def parameters(self) -> int:
@@ -226,6 +241,9 @@ def _qwen2_5_vl_parameters(config: Mapping[str, Any]) -> tuple[int, int, dict[st
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "vocab_size": text["vocab_size"],
+        "vision_hidden_size": vh,
+        "vision_layers": vision["depth"],
+        "patches_per_token": vision.get("spatial_merge_size", 2) ** 2,
     }
     return language, vision_parameters, shape
 
@@ -594,14 +612,20 @@ def _policy_gpu_need(
 # ---------------------------------------------------------------------------------------------
 
 
-def _tokens_per_sample(recipe: Recipe) -> int:
-    """A sample's tokens: every clip of a trajectory at full frame count, the answers and
-    :data:`TEXT_TOKENS_PER_SAMPLE`, at most ``model.max_model_len`` (the recipe's own bound)."""
+def _video_tokens_per_sample(recipe: Recipe) -> int:
+    """Video tokens of a sample: every clip of a trajectory at full frame count."""
     side, temporal = recipe.model.video_token_geometry
     task = recipe.task
     per_clip = -(-task.num_frames // temporal) * -(-task.width // side) * -(-task.height // side)
-    tokens = task.videos_per_prompt * per_clip + task.max_model_calls * recipe.rollout.max_output_tokens
-    return min(tokens + TEXT_TOKENS_PER_SAMPLE, recipe.model.max_model_len)
+    return task.videos_per_prompt * per_clip
+
+
+def _tokens_per_sample(recipe: Recipe) -> int:
+    """A sample's tokens: its video tokens, the answers and :data:`TEXT_TOKENS_PER_SAMPLE`, at most
+    ``model.max_model_len`` (the recipe's own bound)."""
+    answers = recipe.task.max_model_calls * recipe.rollout.max_output_tokens
+    tokens = _video_tokens_per_sample(recipe) + answers + TEXT_TOKENS_PER_SAMPLE
+    return min(tokens, recipe.model.max_model_len)
 
 
 def _check_heads(what: str, field: str, size: int, shape: ModelShape) -> None:
@@ -658,10 +682,14 @@ def plan_placement(
       optimizer ``P_local * (4 + 8)`` for bf16, ``P_local * 8`` for fp32 (fp32 master weights, bf16
       only, and Adam's two fp32 moments), the optimizer part divided by ``DP`` (the expert part by
       ``policy_gpus / (EP * PP)``) when ``distributed_optimizer``; plus activations
-      ``micro_batch_size * tokens_per_sample * hidden * layers * 17 * b / TP`` (tokens per sample:
-      :func:`_tokens_per_sample`; 17: :data:`ACTIVATION_BYTES_PER_ELEMENT`; with 1F1B the first
-      pipeline stage holds ``PP`` micro-batches of ``layers / PP`` layers, so ``PP`` cancels; the
-      vision tower's activations and the chunked logits are left out);
+      ``(micro_batch_size * tokens_per_sample * hidden * layers / TP + micro_batch_size *
+      video_tokens_per_sample * merge^2 * vision_hidden * vision_layers) * 17 * b * 1.9`` (tokens
+      per sample: :func:`_tokens_per_sample`; 17: :data:`ACTIVATION_BYTES_PER_ELEMENT`; 1.9:
+      :data:`ACTIVATION_MEASURED_FACTOR`, measured; with 1F1B the first pipeline stage holds ``PP``
+      micro-batches of ``layers / PP`` layers, so ``PP`` cancels; the vision tower is replicated,
+      not split by TP; Nemotron's encoders are not counted); with ``train.recompute: full`` each
+      part's 17 becomes ``1 + 17 / its layers`` (every layer's input kept, one layer recomputed at
+      a time);
     - reference (forward-only, when ``kl_coef > 0``) = ``P_local * b``, on the policy's GPUs;
     - vLLM replica = ``P * b / vllm_TP`` of weights, and in all ``gpu_memory_utilization * GPU
       memory``: the KV cache takes the rest of that fraction.
@@ -761,8 +789,17 @@ def plan_placement(
         optimizer = optimizer_bytes * (dense_local / dp + expert_local / expert_data_parallel)
     else:
         optimizer = optimizer_bytes * local
-    tokens = recipe.train.micro_batch_size * _tokens_per_sample(recipe)
-    activations = tokens * shape.hidden_size * shape.num_layers * ACTIVATION_BYTES_PER_ELEMENT * b / tp
+    micro_batch = recipe.train.micro_batch_size
+    language_elements = micro_batch * _tokens_per_sample(recipe) * shape.hidden_size * shape.num_layers / tp
+    patches = micro_batch * _video_tokens_per_sample(recipe) * shape.patches_per_token
+    vision_elements = patches * shape.vision_hidden_size * shape.vision_layers  # not sharded by TP
+    if recipe.train.recompute == "full":  # each layer's input kept, one layer's activations at a time
+        per_element = [1 + ACTIVATION_BYTES_PER_ELEMENT / max(layers, 1)
+                       for layers in (shape.num_layers, shape.vision_layers)]
+    else:
+        per_element = [ACTIVATION_BYTES_PER_ELEMENT] * 2
+    elements = language_elements * per_element[0] + vision_elements * per_element[1]
+    activations = elements * b * ACTIVATION_MEASURED_FACTOR
     policy_memory = MemoryEstimate(
         "policy", round(local * b), round(local * 4), round(optimizer), round(activations)
     )
@@ -787,7 +824,8 @@ def plan_placement(
             raise PlacementError(
                 f"a policy GPU needs about {need / GiB:.1f} GiB ({breakdown}), over the GPU memory of "
                 f"{gpu / GiB:.1f} GiB: use more policy GPUs (TP, PP, EP, or DP with the distributed "
-                "optimizer), or GPUs with more memory"
+                f"optimizer), a smaller train.micro_batch_size (now {recipe.train.micro_batch_size}), "
+                f"train.recompute=full (now {recipe.train.recompute}), or GPUs with more memory"
             )
 
     return Plan(

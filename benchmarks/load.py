@@ -17,7 +17,7 @@ Loaders compared, all sampling the same frames (Qwen2.5-VL's fps rule, 2 fps, up
 ``video_grpo`` (this package, with the checkpoint's contract), ``qwen2_vl`` (vLLM's loader for
 the family) and ``opencv`` (vLLM's default backend, the same frame rule through its kwargs).
 
-Run from the project root with the main environment (about 4 minutes on two cores)::
+Run from the project root with the main environment (about 7 minutes on two cores)::
 
     envs/main/.venv/bin/python benchmarks/load.py
     envs/main/.venv/bin/python benchmarks/load.py --requests 32 --loaders video_grpo,opencv

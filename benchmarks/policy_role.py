@@ -53,6 +53,8 @@ from train_step import (  # noqa: E402
     megatron_runtime,
     model_dtype,
     model_flops,
+    policy_batch,
+    processed_media,
 )
 
 GIB = 1024**3
@@ -127,9 +129,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
-    from rl_bridge.processors.base import ProcessedMedia
 
     recipe = yaml.safe_load(RECIPE.read_text())
     shape, count, micro_batch = rank_shape(recipe, args.preset, args.samples)
@@ -138,32 +138,7 @@ def main() -> None:
     with megatron_runtime(tensor_parallel=1, seed=0) as device:
         checkpoint = build_checkpoint(args.preset, workdir, device)
         samples = make_batch(preset_config, shape, seed=0)
-        video_token = preset_config["video_token_id"]
-        media = [
-            ProcessedMedia(
-                kind="video",
-                tensors={
-                    "pixel_values_videos": s.pixel_values_videos,
-                    "video_grid_thw": s.video_grid_thw,
-                    "second_per_grid_ts": s.second_per_grid_ts,
-                },
-                placeholder_token_id=video_token,
-                placeholder_runs=(int((s.input_ids == video_token).sum()),),
-            )
-            for s in samples
-        ]
-
-        def batch(old: list[torch.Tensor] | None) -> list[PolicySample]:
-            return [
-                PolicySample(
-                    input_ids=s.input_ids,
-                    target_mask=s.target_mask,
-                    advantage=s.advantage,
-                    old_logprobs=None if old is None else old[i],
-                    media=(media[i],),
-                )
-                for i, s in enumerate(samples)
-            ]
+        media = processed_media(samples, preset_config["video_token_id"])
 
         tokens = sum(s.input_ids.numel() for s in samples)
         flops = model_flops(preset_config, samples)["total"]
@@ -188,9 +163,9 @@ def main() -> None:
         build_s, policy = timed(lambda: MegatronPolicy(checkpoint, config), device)
         result["policy_build_s"] = round(build_s, 1)
         result["policy_after_build"] = memory(device)
-        plain = batch(None)
+        plain = policy_batch(samples, media)
         logprob_s, old = timed(lambda: policy.logprobs(plain), device)
-        train_batch = batch(old)
+        train_batch = policy_batch(samples, media, old)
         loss = GRPOPolicyLoss(GRPOLossConfig())
         steps = []
         for step in range(args.steps):

@@ -520,6 +520,43 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
 # -- Megatron side --------------------------------------------------------------------------------
 
 
+def processed_media(samples: list[Sample], video_token_id: int) -> list[Any]:
+    """Each sample's video as the policy takes it (``rl_bridge.processors.base.ProcessedMedia``)."""
+    from rl_bridge.processors.base import ProcessedMedia
+
+    return [
+        ProcessedMedia(
+            kind="video",
+            tensors={
+                "pixel_values_videos": s.pixel_values_videos,
+                "video_grid_thw": s.video_grid_thw,
+                "second_per_grid_ts": s.second_per_grid_ts,
+            },
+            placeholder_token_id=video_token_id,
+            placeholder_runs=(int((s.input_ids == video_token_id).sum()),),
+        )
+        for s in samples
+    ]
+
+
+def policy_batch(
+    samples: list[Sample], media: list[Any], old: list[torch.Tensor] | None = None
+) -> list[Any]:
+    """The samples as ``rl_bridge.megatron.batch.PolicySample``, with ``old`` logprobs if given."""
+    from rl_bridge.megatron.batch import PolicySample
+
+    return [
+        PolicySample(
+            input_ids=s.input_ids,
+            target_mask=s.target_mask,
+            advantage=s.advantage,
+            old_logprobs=None if old is None else old[i],
+            media=(media[i],),
+        )
+        for i, s in enumerate(samples)
+    ]
+
+
 @contextlib.contextmanager
 def megatron_runtime(tensor_parallel: int, seed: int) -> Iterator[torch.device]:
     """This torchrun worker's process group and Megatron parallel state; yields its device."""
@@ -537,10 +574,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     the result is complete on every rank.
     """
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
     from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
-    from rl_bridge.processors.base import ProcessedMedia
 
     full_recompute = args.recompute == "full"
     config = PolicyConfig(
@@ -562,34 +597,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
 
     samples = make_batch(preset.config, preset.batch, seed=args.seed)
 
-    video_token_id = preset.config["video_token_id"]
-    media = [
-        ProcessedMedia(
-            kind="video",
-            tensors={
-                "pixel_values_videos": s.pixel_values_videos,
-                "video_grid_thw": s.video_grid_thw,
-                "second_per_grid_ts": s.second_per_grid_ts,
-            },
-            placeholder_token_id=video_token_id,
-            placeholder_runs=(int((s.input_ids == video_token_id).sum()),),
-        )
-        for s in samples
-    ]
-
-    def policy_samples(old: list[torch.Tensor] | None) -> list[PolicySample]:
-        return [
-            PolicySample(
-                input_ids=s.input_ids,
-                target_mask=s.target_mask,
-                advantage=s.advantage,
-                old_logprobs=None if old is None else old[i],
-                media=(media[i],),
-            )
-            for i, s in enumerate(samples)
-        ]
-
-    plain = policy_samples(None)
+    media = processed_media(samples, preset.config["video_token_id"])
+    plain = policy_batch(samples, media)
     old = policy.logprobs(plain, micro_batch_size=1)
     check = None
     reference_path = Path(args.workdir) / "hf_logprobs.pt"
@@ -601,7 +610,7 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
         if rank0:
             print(f"[megatron] response logprobs vs HF (same weights, {config.dtype}): {check}", flush=True)
-    train_batch = policy_samples(old)
+    train_batch = policy_batch(samples, media, old)
     loss = GRPOPolicyLoss(GRPOLossConfig())
 
     # Two samples per micro-batch do not fit in 140 GB without recomputation (measured on an H200).

@@ -3,6 +3,7 @@ and a supervised backend process that is killed under the rollout and restarted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,9 +12,10 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,9 +185,13 @@ def backend(tmp_path: Path) -> Iterator[_Backend]:
         server.process.stop()
 
 
-@pytest.fixture
-def fronting_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
-    """An agent that answers 502 while the backend is down, and kills it on the 4th request."""
+@contextlib.contextmanager
+def _agent_before(
+    backend: _Backend, kill_when: Callable[[dict[str, Any], Counter[str]], bool]
+) -> Iterator[tuple[str, Counter[str]]]:
+    """An agent in front of ``backend``: counts each row's requests, kills the backend when
+    ``kill_when(row, counts)`` says so (under a lock, the request counted), answers 502 while the
+    backend is down."""
     requests_seen: Counter[str] = Counter()
     lock = threading.Lock()
 
@@ -197,7 +203,7 @@ def fronting_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
             row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with lock:
                 requests_seen[row["id"]] += 1
-                if sum(requests_seen.values()) == 4:
+                if kill_when(row, requests_seen):
                     backend.kill()
             time.sleep(0.05)
             status, body = (200, {**row, "reward": 1.0}) if backend.up() else (502, {"error": "backend down"})
@@ -215,6 +221,13 @@ def fronting_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def fronting_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
+    """An agent that answers 502 while the backend is down, and kills it on the 4th request."""
+    with _agent_before(backend, lambda _row, seen: sum(seen.values()) == 4) as agent:
+        yield agent
 
 
 def test_rows_in_flight_when_the_backend_dies_are_redispatched_after_its_restart(
@@ -241,35 +254,12 @@ def test_rows_in_flight_when_the_backend_dies_are_redispatched_after_its_restart
 def poisoned_agent(backend: _Backend) -> Iterator[tuple[str, Counter[str]]]:
     """An agent whose backend dies whenever a row with the prompt ``"poison"`` reaches it (as a
     video that crashes vLLM's decoder would); 502 while the backend is down."""
-    requests_seen: Counter[str] = Counter()
-    lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def poison(row: dict[str, Any], _seen: Counter[str]) -> bool:
+        return row["responses_create_params"]["input"] == "poison" and backend.up()
 
-        def do_POST(self) -> None:  # noqa: N802 (http.server API)
-            row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                requests_seen[row["id"]] += 1
-                if row["responses_create_params"]["input"] == "poison" and backend.up():
-                    backend.kill()
-            time.sleep(0.05)
-            status, body = (200, {**row, "reward": 1.0}) if backend.up() else (502, {"error": "backend down"})
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", requests_seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _agent_before(backend, poison) as agent:
+        yield agent
 
 
 def _prompt_row(row_id: str, prompt: str) -> dict[str, object]:

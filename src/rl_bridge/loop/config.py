@@ -372,7 +372,9 @@ class RolloutSection(_Section):
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;
     if vLLM dies then, the prompt is convicted: its rows are masked (``rollout_crashed_server``,
     ``rollout/crashed_server``), now and later, its restarts do not count against the supervisor's
-    budget, and the run goes on (:mod:`rl_bridge.services.supervisor`)."""
+    budget, and the run goes on (:mod:`rl_bridge.services.supervisor`). Read by the local backend,
+    whose supervisor restarts vLLM; the Ray backend does not restart vLLM yet, so there a crash
+    ends the run and this field has no effect."""
     timeout_s: PositiveFloat = 300.0
 
 

@@ -4,6 +4,8 @@ refit each step and restart does."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 import threading
@@ -60,7 +62,7 @@ def _controller(*overrides: str) -> tuple[Controller, _Policy]:
     controller = object.__new__(Controller)
     controller.recipe = load_recipe(None, list(overrides))
     policy = _Policy()
-    controller.roles = Roles(vllm_base_url="http://unused", agent_url="http://unused", policy=policy, reference=None)
+    controller.roles = Roles(vllm_base_urls=("http://unused",), agent_url="http://unused", policy=policy, reference=None)
     controller.loss = GRPOPolicyLoss(controller.recipe.train.loss)
     controller._minibatch_rng = random.Random(0)
     controller.weights_lock = threading.RLock()
@@ -254,20 +256,26 @@ class _SendingPolicy(_Policy):
     def connect_vllm(self, base_url: str, **options: Any) -> None:
         self.sync.append(f"connect {options['backend']} {options['bucket_bytes']}")
 
-    def send_weights_to_vllm(self) -> dict[str, float]:
-        self.sync.append("send")
+    def send_weights_to_vllm(self, base_url: str | None = None) -> dict[str, float]:
+        self.sync.append("send" if base_url == "http://unused" else f"send {base_url}")
         return {"refit/bytes": 64.0}
 
 
-def _refitting(*overrides: str) -> tuple[Controller, _SendingPolicy, _RefitClient]:
+@dataclasses.dataclass(frozen=True)
+class _Server:
+    base_url: str = "http://unused"
+
+
+def _refitting(*overrides: str, urls: tuple[str, ...] = ("http://unused",)) -> tuple[Controller, _SendingPolicy, _RefitClient]:
     controller, _ = _controller("refit.bucket_mb=1", *overrides)
     policy = _SendingPolicy()
-    controller.roles = Roles(vllm_base_url="http://unused", agent_url="http://unused", policy=policy, reference=None)
-    controller.refit_client = _RefitClient()  # type: ignore[assignment]
+    controller.roles = Roles(vllm_base_urls=urls, agent_url="http://unused", policy=policy, reference=None)
+    client = _RefitClient()
+    controller.refit_clients = [client] * len(urls)  # type: ignore[list-item]
     controller._served = None
-    controller._connected = False
+    controller._connected = set()
     controller._transfer_backend = "video_grpo_gloo"
-    return controller, policy, controller.refit_client  # type: ignore[return-value]
+    return controller, policy, client
 
 
 def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_trained_nothing_only_stamps() -> None:
@@ -282,10 +290,10 @@ def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_train
 
 def test_after_a_restart_the_policy_reconnects_and_sends_the_served_version_again() -> None:
     controller, policy, client = _refitting()
-    controller._reload_served_weights(None)  # nothing refitted yet: the server serves the checkpoint
+    controller._reload_served_weights(_Server())  # nothing refitted yet: the server serves the checkpoint
     assert client.calls == [] and policy.sync == []
     controller.refit(1)
-    controller._reload_served_weights(None)
+    controller._reload_served_weights(_Server())
     assert policy.sync == [f"connect video_grpo_gloo {1024**2}", "send", f"connect video_grpo_gloo {1024**2}", "send"]
     assert client.calls == [("refit_with", "step-1"), ("refit_with", "step-1")]
 
@@ -295,7 +303,7 @@ def test_a_restart_waits_for_the_step_holding_the_weights() -> None:
     controller.refit(1)
     reloaded = threading.Event()
     with controller.weights_lock:
-        worker = threading.Thread(target=lambda: (controller._reload_served_weights(None), reloaded.set()))
+        worker = threading.Thread(target=lambda: (controller._reload_served_weights(_Server()), reloaded.set()))
         worker.start()
         assert not reloaded.wait(0.3)  # blocked while the trainer holds the weights
     worker.join(timeout=10)
@@ -309,8 +317,18 @@ def test_from_disk_a_refit_exports_and_reloads_and_a_restart_reloads_the_same_di
     policy.save_hf_checkpoint = lambda target: (target.mkdir(parents=True), exported.append(target))  # type: ignore[attr-defined]
     controller.refit(1)
     controller.refit(2)
-    controller._reload_served_weights(None)
+    controller._reload_served_weights(_Server())
     assert [p.name for p in exported] == ["step-1", "step-2"]
     assert [p.name for p in controller.weights_dir.iterdir()] == ["step-2"]  # the older one removed
     assert client.calls == [("refit", "step-1"), ("refit", "step-2"), ("refit", "step-2")]
     assert policy.sync == []
+
+
+def test_with_two_servers_a_refit_sends_to_each_and_a_restart_resends_to_the_restarted_one_only() -> None:
+    controller, policy, client = _refitting(urls=("http://a", "http://b"))
+    figures = controller.refit(1)
+    assert figures["refit/bytes"] == 128.0  # summed over the servers
+    controller._reload_served_weights(_Server("http://b"))
+    connect = f"connect video_grpo_gloo {1024**2}"
+    assert policy.sync == [connect, "send http://a", connect, "send http://b", connect, "send http://b"]
+    assert client.calls == [("refit_with", "step-1")] * 3

@@ -1,4 +1,5 @@
-"""The Ray backend's pure parts: cluster config validation, the data-parallel split, the guardian."""
+"""The policy ranks' and the Ray backend's pure parts: cluster config validation, the data-parallel
+split, the guardian."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from rl_bridge.loop.config import load_recipe
-from rl_bridge.loop.ray_roles import split_for_data_parallel
+from rl_bridge.loop.policy_ranks import split_for_data_parallel
 from rl_bridge.megatron.batch import PolicySample
 
 pytestmark = pytest.mark.unit
@@ -27,9 +28,11 @@ def _sample(token: int) -> PolicySample:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["cluster.backend=ray", "cluster.policy_workers=3", "cluster.tensor_parallel=2"], "must divide"),
-        (["cluster.policy_workers=2"], "need cluster.backend='ray'"),
+        (["model.cpu_policy_ranks=3", "model.policy_tensor_parallel_size=2"], "does not divide"),
+        (["cluster.ray_address=auto"], "needs cluster.backend='ray'"),
         (["cluster.backend=ray", "cluster.vllm.gpus=1"], "Extra inputs"),
+        (["cluster.backend=ray", "cluster.policy_workers=2"], "Extra inputs"),
+        (["model.cpu_vllm_servers=2", "model.vllm_gpus=1", "model.policy_gpus=1"], "size a CPU run"),
     ],
 )
 def test_cluster_section_rejects_inconsistent_settings(overrides: list[str], message: str) -> None:
@@ -42,8 +45,8 @@ def test_cluster_section_accepts_placement() -> None:
         None,
         [
             "cluster.backend=ray",
-            "cluster.policy_workers=4",
-            "cluster.tensor_parallel=2",
+            "model.cpu_policy_ranks=4",
+            "model.policy_tensor_parallel_size=2",
             "cluster.policy.resources={trainer: 1}",
             "cluster.vllm.node_id=abc",
         ],

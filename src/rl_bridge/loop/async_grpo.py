@@ -257,7 +257,7 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         report.finish(step)
         final_checkpoint = _save_checkpoint(run_dir, step, controller, buffer)
         controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
-        served_version = controller.refit_client.weight_version()
+        served_version = controller.served_weight_version()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
 
     return report.summary(
@@ -357,7 +357,7 @@ def _restore(checkpoint: Path, controller: Controller, buffer: ReplayBuffer) -> 
     expected = f"step-{version}" if version > 0 else "default"
     if version > 0:
         controller.refit(version)
-    served = controller.refit_client.weight_version()
+    served = controller.served_weight_version()
     if served != expected:
         raise RuntimeError(
             f"after restoring {checkpoint} vLLM serves weight version {served!r}, not {expected!r}"

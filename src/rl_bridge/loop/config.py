@@ -114,6 +114,13 @@ class ModelSection(_Section):
     policy_expert_parallel_size: PositiveInt = 1
     """Megatron expert parallel size (MoE language models such as Nemotron Omni's); divides
     ``policy_gpus / policy_pipeline_parallel_size``."""
+    cpu_vllm_servers: PositiveInt = 1
+    """vLLM-cpu servers of a CPU run (``vllm_gpus: 0``); the Gym model server spreads the rollouts'
+    sessions over them. GPU runs set ``vllm_gpus`` and ``vllm_tensor_parallel_size`` instead."""
+    cpu_policy_ranks: PositiveInt = 1
+    """Megatron ranks of a CPU policy (``policy_gpus: 0``), one process each, joined over gloo:
+    ``policy_tensor_parallel_size`` of them hold one model replica, the replicas are data
+    parallel. GPU runs set ``policy_gpus`` instead."""
     layer_spec: Literal["auto", "transformer_engine", "local", "local_sdpa"] = "auto"
     """The language model's layer implementation (``rl_bridge.megatron.model.LayerSpec``):
     ``transformer_engine`` requires Transformer Engine; ``auto`` uses it when installed."""
@@ -142,10 +149,21 @@ class ModelSection(_Section):
         return self.vllm_gpus + self.policy_gpus
 
     @property
+    def vllm_replicas(self) -> int:
+        """vLLM servers of the run: ``vllm_gpus / vllm_tensor_parallel_size`` on GPUs,
+        ``cpu_vllm_servers`` on CPU."""
+        return self.vllm_gpus // self.vllm_tensor_parallel_size if self.vllm_gpus else self.cpu_vllm_servers
+
+    @property
+    def policy_ranks(self) -> int:
+        """Megatron processes of the policy: ``policy_gpus`` on GPUs, ``cpu_policy_ranks`` on CPU."""
+        return self.policy_gpus or self.cpu_policy_ranks
+
+    @property
     def policy_data_parallel_size(self) -> int:
-        """Megatron data parallel size (1 on CPU)."""
+        """Megatron data parallel size: the ranks over tensor x pipeline parallel size."""
         model_parallel = self.policy_tensor_parallel_size * self.policy_pipeline_parallel_size
-        return max(self.policy_gpus // model_parallel, 1)
+        return max(self.policy_ranks // model_parallel, 1)
 
     @property
     def video_token_geometry(self) -> tuple[int, int]:
@@ -182,14 +200,25 @@ class ModelSection(_Section):
                 "dtype": (self.dtype, "float32"),
                 "layer_spec": (self.layer_spec, "auto"),
                 "vllm_tensor_parallel_size": (self.vllm_tensor_parallel_size, 1),
-                "policy_tensor_parallel_size": (self.policy_tensor_parallel_size, 1),
                 "policy_pipeline_parallel_size": (self.policy_pipeline_parallel_size, 1),
                 "policy_expert_parallel_size": (self.policy_expert_parallel_size, 1),
             }
             changed = [f"model.{name}={value!r}" for name, (value, cpu) in gpu_only.items() if value != cpu]
             if changed:
                 raise ValueError(f"{', '.join(changed)} need GPUs: set model.vllm_gpus and model.policy_gpus")
+            if self.cpu_policy_ranks % self.policy_tensor_parallel_size:
+                raise ValueError(
+                    f"model.policy_tensor_parallel_size={self.policy_tensor_parallel_size} does not divide "
+                    f"model.cpu_policy_ranks={self.cpu_policy_ranks}"
+                )
             return self
+        cpu_only = {"cpu_vllm_servers": self.cpu_vllm_servers, "cpu_policy_ranks": self.cpu_policy_ranks}
+        changed = [f"model.{name}={value}" for name, value in cpu_only.items() if value != 1]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} size a CPU run; on GPUs vLLM's servers and the policy's ranks "
+                "follow model.vllm_gpus and model.policy_gpus"
+            )
         if self.vllm_gpus % self.vllm_tensor_parallel_size:
             raise ValueError(
                 f"model.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide "
@@ -513,42 +542,29 @@ class RolePlacement(_Section):
 
 
 class ClusterSection(_Section):
-    """Where the roles (vLLM server, Gym servers, policy workers) run."""
+    """Where the roles (vLLM servers, Gym servers, policy ranks) run. How many of each, and on which
+    devices, is the model section's placement (:func:`rl_bridge.loop.placement.plan_placement`)."""
 
     backend: Literal["local", "ray"] = "local"
-    """``"local"``: subprocesses and the policy in the controller's process on this host;
+    """``"local"``: subprocesses on this host (a one-rank policy in the controller's process);
     ``"ray"``: Ray actors (see :mod:`rl_bridge.loop.ray_roles`)."""
     ray_address: str | None = None
     """Address of a running Ray cluster (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``);
     ``None`` with ``backend="ray"``: start a local Ray instance for the run."""
-    policy_workers: PositiveInt = 1
-    """Policy worker actors (Megatron ranks); the reference policy, when the loss needs one, lives in
-    the same workers. More than one needs ``backend="ray"``."""
-    tensor_parallel: PositiveInt = 1
-    """Megatron tensor-parallel size; must divide ``policy_workers`` (data-parallel size =
-    ``policy_workers / tensor_parallel``)."""
-    use_gpus: bool = False
-    """Give the vLLM actor and every policy worker one GPU (Ray ``num_gpus=1``); ``False``: CPU
-    only (vLLM-cpu, Megatron on CPU with gloo)."""
     vllm: RolePlacement = Field(default_factory=RolePlacement)
     gym: RolePlacement = Field(default_factory=RolePlacement)
     policy: RolePlacement = Field(default_factory=RolePlacement)
-    """Placement of each policy worker."""
+    """Placement of each policy worker (one per rank); on GPUs each also gets one GPU."""
     actor_start_timeout_s: PositiveFloat = 600.0
     """Longest wait, in seconds, for Ray to place an actor and start its process; then the run fails
     naming the role and what it asked for."""
 
     @model_validator(mode="after")
     def _check(self) -> ClusterSection:
-        if self.policy_workers % self.tensor_parallel:
+        if self.backend == "local" and self.ray_address:
             raise ValueError(
-                f"cluster.tensor_parallel={self.tensor_parallel} must divide "
-                f"cluster.policy_workers={self.policy_workers}"
-            )
-        if self.backend == "local" and (self.policy_workers > 1 or self.use_gpus or self.ray_address):
-            raise ValueError(
-                "cluster.policy_workers > 1, cluster.use_gpus and cluster.ray_address need "
-                "cluster.backend='ray' (the local backend runs one CPU policy in the controller)"
+                f"cluster.ray_address={self.ray_address!r} needs cluster.backend='ray' (the local backend "
+                "starts every role on this host)"
             )
         return self
 
@@ -654,13 +670,14 @@ class Recipe(_Section):
 
         A recipe with GPUs (``model.vllm_gpus + model.policy_gpus > 0``) needs CUDA and that many
         devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed; a
-        colocated GPU placement is refused (planned, not started yet). CPU recipes always pass.
+        colocated GPU placement is refused (planned, not started yet). CPU recipes always pass, and
+        so do recipes with ``cluster.backend='ray'``, whose GPUs are on the Ray cluster's nodes.
 
         Raises:
             HardwareError: what is missing, and which recipe fields ask for it.
         """
         model = self.model
-        if model.num_gpus == 0:
+        if model.num_gpus == 0 or self.cluster.backend == "ray":  # Ray places GPUs on its nodes
             return
         import torch
 

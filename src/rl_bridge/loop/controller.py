@@ -167,14 +167,16 @@ class Controller:
         self.roles = roles
         self.run_dir = recipe.run_dir.resolve()
         self.weights_dir = self.run_dir / "weights"
-        self.refit_client = RefitClient(roles.vllm_base_url)
+        self.refit_clients = [RefitClient(url) for url in roles.vllm_base_urls]
+        """One per vLLM server, in the order of ``roles.vllm_base_urls``."""
         self._served: tuple[Path | None, str] | None = None
         """The weights directory (``None`` in memory) and version vLLM was last refitted with
         (``None``: the checkpoint)."""
         self.weights_lock = threading.RLock()
         """Held while the policy's weights change or travel (training, refits, a restart's
         reload): one at a time, whoever asks."""
-        self._connected = False
+        self._connected: set[str] = set()
+        """The servers whose weight-transfer group the policy has joined."""
         from rl_bridge.loop.roles import weight_transfer_backend
 
         self._transfer_backend = weight_transfer_backend(recipe) or ""
@@ -518,7 +520,8 @@ class Controller:
         version = f"step-{step}"
         with self.weights_lock:
             if not trained:
-                self.refit_client.update_weight_version(version)
+                for client in self.refit_clients:
+                    client.update_weight_version(version)
                 self._served = (self._served[0] if self._served else None, version)
                 return {"refit/skipped": 1.0, "refit/weight_version": float(step)}
             if self.recipe.refit.in_memory:
@@ -529,46 +532,75 @@ class Controller:
                 if target.exists():  # exported before (a resumed run refits its checkpoint's version again)
                     shutil.rmtree(target)
                 self.roles.policy.save_hf_checkpoint(target)
-                result = self.refit_client.refit(target, version=version, pause_mode=pause_mode)
-                figures = {"refit/paused_s": result.paused_s}
+                paused = [
+                    client.refit(target, version=version, pause_mode=pause_mode).paused_s
+                    for client in self.refit_clients
+                ]
+                figures = {"refit/paused_s": max(paused)}
                 self._served = (target, version)
                 for old in self.weights_dir.iterdir():
                     if old != target:
                         shutil.rmtree(old)
         return {**figures, "refit/skipped": 0.0, "refit/weight_version": float(step)}
 
-    def _send_weights(self, version: str, pause_mode: PauseMode = "wait", *, reconnect: bool = False) -> dict[str, float]:
-        """The in-memory refit: connect the policy to vLLM's weight-transfer engine (once, and
-        again after a restart), then pause, send, reset the caches, stamp, resume."""
-        if reconnect or not self._connected:
-            self.roles.policy.connect_vllm(
-                self.roles.vllm_base_url,
-                backend=self._transfer_backend,
-                bucket_bytes=self.recipe.refit.bucket_mb * 1024**2,
-                vllm_workers=self.recipe.model.vllm_tensor_parallel_size,
-            )
-            self._connected = True
+    def _send_weights(
+        self, version: str, pause_mode: PauseMode = "wait", *, only: str | None = None
+    ) -> dict[str, float]:
+        """The in-memory refit of every server (``only``: of the server at that URL, after its
+        restart): connect the policy to the server's weight-transfer engine (once, and again after
+        a restart), then pause it, send, reset its caches, stamp, resume. Servers are refitted one
+        after the other; each pauses only for its own transfer. Figures: bytes and buckets summed
+        over the servers, ``refit/paused_s`` the longest pause."""
         figures: dict[str, float] = {}
-        result = self.refit_client.refit_with(
-            lambda: figures.update(self.roles.policy.send_weights_to_vllm()),
-            version=version,
-            pause_mode=pause_mode,
-        )
-        return {**figures, "refit/paused_s": result.paused_s}
+        paused = 0.0
+        for url, client in zip(self.roles.vllm_base_urls, self.refit_clients, strict=True):
+            if only is not None and url != only:
+                continue
+            if only is not None or url not in self._connected:
+                self.roles.policy.connect_vllm(
+                    url,
+                    backend=self._transfer_backend,
+                    bucket_bytes=self.recipe.refit.bucket_mb * 1024**2,
+                    vllm_workers=self.recipe.model.vllm_tensor_parallel_size,
+                )
+                self._connected.add(url)
+            sent: dict[str, float] = {}
+            result = client.refit_with(
+                lambda url=url: sent.update(self.roles.policy.send_weights_to_vllm(url)),
+                version=version,
+                pause_mode=pause_mode,
+            )
+            for name, value in sent.items():
+                figures[name] = figures.get(name, 0.0) + value
+            paused = max(paused, result.paused_s)
+        return {**figures, "refit/paused_s": paused}
 
     def _reload_served_weights(self, server: Any) -> None:
-        """After a restart vLLM serves the starting checkpoint: send (or reload) the trained
+        """After a restart the server serves the starting checkpoint: send (or reload) the trained
         weights again, under the version they were served as."""
         with self.weights_lock:
             if self._served is None:
                 return
             path, version = self._served
+            client = self.refit_clients[self.roles.vllm_base_urls.index(server.base_url)]
             if self.recipe.refit.in_memory:
-                self._send_weights(version, reconnect=True)
+                self._send_weights(version, only=server.base_url)
             elif path is not None:
-                self.refit_client.refit(path, version=version)
+                client.refit(path, version=version)
             else:  # stamped only: the checkpoint's weights, served under the run's version
-                self.refit_client.update_weight_version(version)
+                client.update_weight_version(version)
+
+    def served_weight_version(self) -> str:
+        """The weight version vLLM serves (every server's, when they agree).
+
+        Raises:
+            RuntimeError: the servers serve different versions (each named).
+        """
+        versions = [client.weight_version() for client in self.refit_clients]
+        if len(set(versions)) > 1:
+            served = ", ".join(f"{url}: {v}" for url, v in zip(self.roles.vllm_base_urls, versions, strict=True))
+            raise RuntimeError(f"the vLLM servers serve different weight versions ({served})")
+        return versions[0]
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out rows (rows that failed count as wrong)."""

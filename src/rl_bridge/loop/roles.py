@@ -1,10 +1,14 @@
-"""Where a run's roles live: the vLLM server, the Gym servers and the policy.
+"""Where a run's roles live: the vLLM servers, the Gym servers and the policy's ranks.
 
 The controller (:mod:`rl_bridge.loop.controller`) talks to the roles only through :class:`Roles`:
-URLs for the rollout side and a :class:`PolicyHandle` for the trainer. :func:`start_local_roles`
-starts everything on this host (vLLM and the Gym servers as subprocesses, the Megatron policy in
-this process, on CPU when there is no GPU); a Ray placement provides the same :class:`Roles` with
-actors.
+URLs for the rollout side and a :class:`PolicyHandle` for the trainer. How many of each role run,
+and on which devices, is the run's plan (:func:`rl_bridge.loop.placement.plan_placement`), for
+either backend. :func:`start_local_roles` starts the plan on this host: each vLLM replica as a
+subprocess pinned to its GPUs (``CUDA_VISIBLE_DEVICES``), the Gym servers as subprocesses with one
+model server over every replica (Gym's ``base_url`` list: each session sticks to one replica), and
+the policy in this process when it has one rank, else one process per rank
+(:class:`rl_bridge.loop.policy_ranks.LocalPolicyRanks`, gloo on CPU). The Ray backend
+(:mod:`rl_bridge.loop.ray_roles`) provides the same :class:`Roles` with actors.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rl_bridge.loop.tasks import TaskData
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
+    from rl_bridge.loop.placement import Plan
     from rl_bridge.processors import MediaProcessor
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
@@ -48,23 +53,28 @@ class PolicyHandle(Protocol):
         self, base_url: str, *, backend: str, bucket_bytes: int, vllm_workers: int = 1, timeout_s: float = 600.0
     ) -> None: ...
 
-    def send_weights_to_vllm(self) -> dict[str, float]: ...
+    def send_weights_to_vllm(self, base_url: str | None = None) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
 class Roles:
     """The started roles of one run."""
 
-    vllm_base_url: str
-    """vLLM's server root (``http://host:port``), for refits and weight-version checks."""
+    vllm_base_urls: tuple[str, ...]
+    """Each vLLM server's root (``http://host:port``), for refits and weight-version checks."""
     agent_url: str
     """The Gym agent server whose ``/run`` produces one rollout."""
     policy: PolicyHandle
     reference: PolicyHandle | None
     """The frozen reference policy; ``None`` unless the loss has a KL term."""
     vllm_supervisor: ServiceSupervisor[Any] | None = None
-    """Restarts a dead vLLM server (rollouts re-dispatch the rows it had in flight); ``None``
-    where the placement supervises its own processes."""
+    """Restarts a dead vLLM server of the group (rollouts re-dispatch the rows it had in flight);
+    ``None`` where the placement supervises its own processes."""
+
+    @property
+    def vllm_base_url(self) -> str:
+        """The first vLLM server's root."""
+        return self.vllm_base_urls[0]
 
 
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
@@ -136,49 +146,98 @@ def weight_transfer_backend(recipe: Recipe) -> str | None:
 
 
 def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
-    """Start vLLM, the Gym servers and the policy on this host; ``stack`` stops them.
+    """Start the run's plan on this host (see the module docstring); ``stack`` stops it all.
 
-    vLLM loads while the Gym servers and the policy start (they need its URL, not its answers): the
-    run waits for the slowest of them rather than for their sum.
+    vLLM loads while the Gym servers and the policy start (they need its URLs, not its answers):
+    the run waits for the slowest of them rather than for their sum.
 
     Raises:
+        rl_bridge.loop.placement.PlacementError: the plan does not fit this host.
         rl_bridge.services.process.ServiceError: a server did not start.
     """
-    from rl_bridge.megatron.cpu_support import cpu_execution, single_process_group
-    from rl_bridge.megatron.policy import MegatronPolicy
+    from rl_bridge.loop.placement import Hardware, plan_placement
     from rl_bridge.paths import project_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.services.vllm_server import start_vllm_server
 
+    plan = plan_placement(recipe, Hardware.detect())
     run_dir = recipe.run_dir.resolve()
-    vllm = stack.enter_context(
-        start_vllm_server(vllm_config(recipe, data), log_dir=run_dir / "logs" / "vllm", wait=False)
+    config = vllm_config(recipe, data)
+    several = len(plan.vllm) > 1
+    servers = []
+    for replica in plan.vllm:
+        pinned = config
+        if replica.devices:
+            visible = ",".join(str(device.index) for device in replica.devices)
+            pinned = config.model_copy(update={"extra_env": {**config.extra_env, "CUDA_VISIBLE_DEVICES": visible}})
+        suffix = f"-{replica.index}" if several else ""
+        servers.append(
+            stack.enter_context(
+                start_vllm_server(
+                    pinned,
+                    log_dir=run_dir / "logs" / f"vllm{suffix}",
+                    wait=False,
+                    name=f"vllm{suffix}[{config.model_name}]",
+                )
+            )
+        )
+    openai_urls = [server.openai_url for server in servers]
+    specs, agent = data.gym_specs(
+        recipe, openai_url=openai_urls if several else openai_urls[0], model_name=servers[0].model_name
     )
-    specs, agent = data.gym_specs(recipe, openai_url=vllm.openai_url, model_name=vllm.model_name)
     gym = stack.enter_context(
         start_gym_servers(
             specs, run_dir=run_dir / "logs" / "gym", extra_roots=[project_root() / "src"], timeout_s=600
         )
     )
-    stack.enter_context(cpu_execution())
-    stack.enter_context(single_process_group(seed=recipe.seed))
-    config = recipe.policy_config(data.token_support(recipe))
-    policy = MegatronPolicy(data.model_dir, config)
-    reference = (
-        MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False))
-        if needs_reference(recipe.train.loss)
-        else None
-    )
-    vllm.wait_until_healthy()
-    supervisor = ServiceSupervisor(vllm, RestartPolicy(crash_budget=recipe.rollout.crash_budget))
+    policy, reference = _start_local_policy(recipe, data, plan, stack)
+    for server in servers:
+        server.wait_until_healthy()
+    supervisor = ServiceSupervisor(servers, RestartPolicy(crash_budget=recipe.rollout.crash_budget))
     stack.enter_context(supervisor.watch())
     return Roles(
-        vllm_base_url=vllm.base_url,
+        vllm_base_urls=tuple(server.base_url for server in servers),
         agent_url=gym.url(agent),
         policy=policy,
         reference=reference,
         vllm_supervisor=supervisor,
     )
+
+
+def _start_local_policy(
+    recipe: Recipe, data: TaskData, plan: Plan, stack: ExitStack
+) -> tuple[PolicyHandle, PolicyHandle | None]:
+    """The policy (and the reference) of ``plan``: in this process for one rank, else one child
+    process per rank."""
+    from rl_bridge.loop.policy_ranks import LocalPolicyRanks, RankedPolicy
+    from rl_bridge.megatron.cpu_support import cpu_execution
+    from rl_bridge.megatron.distributed import RankEnvironment, model_parallel_group
+    from rl_bridge.megatron.policy import MegatronPolicy
+
+    config = recipe.policy_config(data.token_support(recipe))
+    with_reference = needs_reference(recipe.train.loss)
+    if len(plan.policy) > 1:
+        ranks = stack.enter_context(
+            LocalPolicyRanks(
+                plan.policy,
+                tensor_parallel=plan.tensor_parallel,
+                seed=recipe.seed,
+                model_dir=data.model_dir,
+                config=config,
+                with_reference=with_reference,
+            )
+        )
+        reference = RankedPolicy("reference", ranks.call, ranks.layouts) if with_reference else None
+        return RankedPolicy("policy", ranks.call, ranks.layouts), reference
+    device = plan.policy[0].device
+    environment = dataclasses.replace(
+        RankEnvironment.single_process(), local_rank=device.index if device is not None else 0
+    )
+    stack.enter_context(cpu_execution())
+    stack.enter_context(model_parallel_group(tensor_parallel=1, seed=recipe.seed, environment=environment))
+    policy = MegatronPolicy(data.model_dir, config)
+    reference = MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False)) if with_reference else None
+    return policy, reference
 
 
 def start_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:

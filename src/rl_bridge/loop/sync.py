@@ -79,6 +79,6 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         if recipe.train.checkpoint_at_end:
             controller.roles.policy.save_checkpoint(run_dir / "checkpoint")
             controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
-        served_version = controller.refit_client.weight_version()
+        served_version = controller.served_weight_version()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
     return report.summary(steps=step, served_version=served_version, setup_s=setup["time/setup_s"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -350,9 +350,12 @@ class TaskData:
         return list(self.letter_ids) if recipe.rollout.restrict_to_options else None
 
     def gym_specs(
-        self, recipe: Recipe, *, openai_url: str, model_name: str
+        self, recipe: Recipe, *, openai_url: str | Sequence[str], model_name: str
     ) -> tuple[list[GymServerSpec], str]:
         """The Gym servers of the task and the name of the agent server whose ``/run`` rolls out.
+
+        ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
+        spreads sessions over them).
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
         with every request when sampling is restricted to the option letters; media in tool

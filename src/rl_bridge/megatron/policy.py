@@ -298,7 +298,8 @@ class MegatronPolicy:
                 "MegatronPolicy: context parallelism needs sequence packing, which is not supported"
             )
         self._bridge = load_bridge(self.hf_path)
-        self._weight_sync: Any = None
+        self._weight_syncs: dict[str, Any] = {}
+        """Per vLLM server (its base URL): the weight-transfer group joined by :meth:`connect_vllm`."""
         half = self.config.dtype in (torch.bfloat16, torch.float16)
         self._model: list[MegatronModule] = build_policy(
             self.hf_path,
@@ -768,18 +769,20 @@ class MegatronPolicy:
         """Join the weight-transfer group of the vLLM server at ``base_url`` (again after a
         restart), through vLLM's weight-transfer API (:mod:`rl_bridge.weight_sync`). Collective:
         every rank calls it; global rank 0 sends, from the address on its route to the server.
+        Each server of a run with several has a group of its own.
         """
         from rl_bridge.services.process import free_port
         from rl_bridge.weight_sync import WeightSync, sender_address
         from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 
-        if self._weight_sync is not None:
-            self._weight_sync.close()
+        old = self._weight_syncs.pop(base_url, None)
+        if old is not None:
+            old.close()
         # gloo sends from host memory; NCCL from the device, where the export then stays.
         on_cpu = backend == GLOO_BACKEND
-        self._weight_sync = WeightSync(lambda: self.export_hf_weights(cpu=on_cpu))
+        sync = WeightSync(lambda: self.export_hf_weights(cpu=on_cpu))
         address = sender_address(base_url)
-        self._weight_sync.connect(
+        sync.connect(
             base_url,
             backend=backend,  # type: ignore[arg-type]
             master_address=address,
@@ -788,16 +791,25 @@ class MegatronPolicy:
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
         )
+        self._weight_syncs[base_url] = sync
 
-    def send_weights_to_vllm(self) -> dict[str, float]:
-        """Stream the current weights to the connected server (:meth:`connect_vllm` first):
+    def send_weights_to_vllm(self, base_url: str | None = None) -> dict[str, float]:
+        """Stream the current weights to the connected server at ``base_url`` (``None``: to every
+        connected server in turn, each from its own export stream) (:meth:`connect_vllm` first):
         ``/start_weight_update``, one ``/update_weights`` per bucket, ``/finish_weight_update``.
         Collective. Returns rank 0's figures (``refit/bytes``, ``refit/buckets``,
-        ``refit/transfer_s``); the caller pauses the server and resets its caches around it
-        (:meth:`vllm_video_plugin.refit.RefitClient.refit_with`)."""
-        if self._weight_sync is None:
+        ``refit/transfer_s``, summed over the servers); the caller pauses the server and resets
+        its caches around it (:meth:`vllm_video_plugin.refit.RefitClient.refit_with`)."""
+        if base_url is not None and base_url not in self._weight_syncs:
+            raise RuntimeError(f"send_weights_to_vllm({base_url!r}) before connect_vllm({base_url!r})")
+        if not self._weight_syncs:
             raise RuntimeError("send_weights_to_vllm before connect_vllm")
-        return self._weight_sync.send()
+        targets = [base_url] if base_url is not None else list(self._weight_syncs)
+        figures: dict[str, float] = {}
+        for url in targets:
+            for name, value in self._weight_syncs[url].send().items():
+                figures[name] = figures.get(name, 0.0) + value
+        return figures
 
     # -- training checkpoints -----------------------------------------------------------------------
 

@@ -92,9 +92,10 @@ class GymServerSpec:
 
 
 def video_model_server_spec(
-    name: str, *, openai_url: str, model: str, media_root: str | Path, **fields: Any
+    name: str, *, openai_url: str | Sequence[str], model: str, media_root: str | Path, **fields: Any
 ) -> GymServerSpec:
-    """This package's ``video_vllm_model`` in front of a vLLM OpenAI endpoint, set up for training.
+    """This package's ``video_vllm_model`` in front of a vLLM OpenAI endpoint (or several: Gym
+    keeps each session on one of them, chosen by a hash of its id), set up for training.
 
     Token ids and logprobs come back (``return_token_id_information``), the reasoning parser is
     off, media resolve under ``media_root``, and a prompt over vLLM's context is answered with
@@ -107,7 +108,7 @@ def video_model_server_spec(
     ``configs/video_vllm_model.yaml``).
     """
     base = {
-        "base_url": openai_url,
+        "base_url": openai_url if isinstance(openai_url, str) else list(openai_url),
         "api_key": "unused",
         "model": model,
         "return_token_id_information": True,

@@ -20,7 +20,13 @@ fine, my request failed for another reason" (same generation)::
         results, stats = collect_rollouts(agent_url, rows, settings, supervisor=supervisor)
 
 Concurrent callers are serialised: while one restarts the server the others wait, then see the new
-generation. After ``max_restarts`` restarts, a further failure raises :class:`ServiceError`
+generation.
+
+**Several servers.** A supervisor can watch a group (the vLLM replicas of a run behind one Gym
+model server): each is probed and restarted on its own, and the generation counts the group's
+restarts. A caller does not know which replica served its request (Gym spreads sessions over them),
+so a restart of any replica counts as "restarted under" a request that failed meanwhile: at worst
+an innocent request is re-dispatched, or dispatched alone once. After ``max_restarts`` restarts, a further failure raises :class:`ServiceError`
 (and so does every later call): a server that keeps dying needs a person, not another restart.
 
 **An input that kills the server.** A video that crashes vLLM's decoder would, re-dispatched
@@ -49,7 +55,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -121,6 +127,8 @@ class RestartRecord:
 
     generation: int
     """The generation the restart started (1 for the first restart)."""
+    server: str
+    """The restarted server's process name."""
     reason: str
     """Why the server was judged down (exit code, or the last probe error)."""
     restart_s: float
@@ -182,24 +190,31 @@ class _Gate:
 
 
 class ServiceSupervisor(Generic[ServerT]):
-    """Restarts ``server`` when it is down; see the module docstring. Thread-safe."""
+    """Restarts ``server`` (or each server of a group) when it is down; see the module docstring.
+    Thread-safe."""
 
     def __init__(
         self,
-        server: ServerT,
+        server: ServerT | Sequence[ServerT],
         policy: RestartPolicy | None = None,
         *,
         on_restart: Callable[[ServerT], None] | None = None,
     ) -> None:
         """
         Args:
-            server: a running server; the supervisor restarts it in place (``server.restart()``).
-            policy: when to restart and give up; ``None`` means the defaults.
-            on_restart: called (under the supervisor's lock, before waiting callers resume) after
-                each successful restart, e.g. to load the latest weights into a new vLLM. An
-                exception from it counts as a failed restart.
+            server: a running server, or several; the supervisor restarts each in place
+                (``server.restart()``).
+            policy: when to restart and give up (``max_restarts`` over the whole group); ``None``
+                means the defaults.
+            on_restart: called with the restarted server (under the supervisor's lock, before
+                waiting callers resume) after each successful restart, e.g. to load the latest
+                weights into a new vLLM. An exception from it counts as a failed restart.
         """
-        self.server = server
+        self.servers: tuple[ServerT, ...] = tuple(server) if isinstance(server, Sequence) else (server,)
+        if not self.servers:
+            raise ValueError("ServiceSupervisor: no server to supervise")
+        self.server = self.servers[0]
+        """The first server (the only one, unless a group was given)."""
         self.policy = policy or RestartPolicy()
         self.on_restart = on_restart
         """The restart hook; may be set after construction (e.g. by the loop that owns the weights)."""
@@ -227,11 +242,15 @@ class ServiceSupervisor(Generic[ServerT]):
         return tuple(self._restarts)
 
     def probe(self) -> str | None:
-        """One health check: ``None`` when the server answers 200, else why not."""
-        exit_code = self.server.process.poll()
+        """One health check of every server: ``None`` when each answers 200, else why the first
+        that does not is down."""
+        return next(filter(None, map(self._probe, self.servers)), None)
+
+    def _probe(self, server: ServerT) -> str | None:
+        exit_code = server.process.poll()
         if exit_code is not None:
-            return f"{self.server.process.name} exited with code {exit_code}"
-        url = self.server.health_url
+            return f"{server.process.name} exited with code {exit_code}"
+        url = server.health_url
         try:
             with urllib.request.urlopen(url, timeout=self.policy.probe_timeout_s) as response:
                 return None if response.status == 200 else f"{url} answered HTTP {response.status}"
@@ -249,9 +268,10 @@ class ServiceSupervisor(Generic[ServerT]):
         with self._lock:
             if self._gave_up is not None:
                 raise ServiceError(self._gave_up)
-            problem = self._down_reason()
-            if problem is not None:
-                self._restart(problem)
+            for server in self.servers:
+                problem = self._down_reason(server)
+                if problem is not None:
+                    self._restart(server, problem)
             return self._generation
 
     @property
@@ -301,7 +321,7 @@ class ServiceSupervisor(Generic[ServerT]):
                 return True
             self._excused.update(strikes)
             self._convicted[dispatch.key] = (
-                f"{self.server.process.name} was restarted {len(strikes)} times while this input was in "
+                f"{self._restarts[-1].server} was restarted {len(strikes)} times while this input was in "
                 f"flight, the last time while it ran alone (so it killed the server: "
                 f"{self._restarts[-1].reason}); it is not dispatched again"
             )
@@ -338,37 +358,40 @@ class ServiceSupervisor(Generic[ServerT]):
             stop.set()
             thread.join()
 
-    def _down_reason(self) -> str | None:
-        """``None`` when healthy; else why the server counts as down (after ``probe_attempts``)."""
+    def _down_reason(self, server: ServerT) -> str | None:
+        """``None`` when healthy; else why ``server`` counts as down (after ``probe_attempts``)."""
         problem: str | None = None
         for attempt in range(self.policy.probe_attempts):
             if attempt:
                 time.sleep(self.policy.probe_interval_s)
-            problem = self.probe()
-            if problem is None or self.server.process.poll() is not None:
+            problem = self._probe(server)
+            if problem is None or server.process.poll() is not None:
                 return problem
         return problem
 
-    def _restart(self, reason: str) -> None:
+    def _restart(self, server: ServerT, reason: str) -> None:
         counted = len(self._restarts) - len(self._excused)
         # A restart while a suspect runs alone is the suspect's: its conviction excuses it.
         if counted >= self.policy.max_restarts and not self._gate.exclusive:
             excused = f", besides {len(self._excused)} caused by convicted inputs" if self._excused else ""
             self._gave_up = (
-                f"{self.server.process.name} is down ({reason}) and was already restarted "
+                f"{server.process.name} is down ({reason}) and was already restarted "
                 f"{counted} times{excused} (max_restarts={self.policy.max_restarts}); giving up"
             )
             raise ServiceError(self._gave_up)
         started = time.monotonic()
         try:
-            self.server.restart()
+            server.restart()
             if self.on_restart is not None:
-                self.on_restart(self.server)
+                self.on_restart(server)
         except Exception as error:
-            self._gave_up = f"restarting {self.server.process.name} after '{reason}' failed: {error}"
+            self._gave_up = f"restarting {server.process.name} after '{reason}' failed: {error}"
             raise ServiceError(self._gave_up) from error
         self._generation += 1
-        self._restarts.append(RestartRecord(self._generation, reason, time.monotonic() - started))
+        self._restarts.append(
+            RestartRecord(self._generation, server.process.name, reason, time.monotonic() - started)
+        )
 
     def __repr__(self) -> str:
-        return f"ServiceSupervisor({self.server!r}, generation={self._generation})"
+        servers = self.server if len(self.servers) == 1 else list(self.servers)
+        return f"ServiceSupervisor({servers!r}, generation={self._generation})"

@@ -302,6 +302,7 @@ def start_vllm_server(
     python: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     wait: bool = True,
+    name: str | None = None,
 ) -> VLLMServer:
     """Launch a server for ``config`` and wait until ``/health`` answers.
 
@@ -315,6 +316,7 @@ def start_vllm_server(
             logging configuration file; created if missing.
         python: Interpreter with vLLM installed; ``None`` means the running one.
         env: Environment variables set last, over :func:`server_env`'s.
+        name: the process's name in logs and errors; ``None``: ``vllm[<model name>]``.
 
     Raises:
         FileNotFoundError: ``config.model`` is not a directory with a ``config.json``.
@@ -333,7 +335,7 @@ def start_vllm_server(
     base_url = f"http://{LOOPBACK_HOST}:{port}"
     started = time.monotonic()
     process = ManagedProcess(
-        f"vllm[{config.model_name}]",
+        name or f"vllm[{config.model_name}]",
         server_argv(config, port=port, python=python),
         log_path=log_dir / "vllm.log",
         env={**server_env(config, logging_config_path=logging_config_path), **(env or {})},

@@ -1,10 +1,14 @@
-"""Two steps of the sync GRPO loop with every role in a Ray actor, on a local Ray cluster.
+"""Two steps of the sync GRPO loop with every role in a Ray actor, on a local Ray cluster, the
+policy as two workers at tensor parallel size 2.
 
 The test starts a real one-node cluster (``ray start --head --block``, stopped afterwards) and runs
-:func:`rl_bridge.loop.sync.run_sync` with ``cluster.backend=ray`` against its address. Checks the
+:func:`rl_bridge.loop.sync.run_sync` with ``cluster.backend=ray`` against its address, the
+placement of ``model.cpu_policy_ranks=2`` and ``model.policy_tensor_parallel_size=2`` (the tiny
+model's two attention heads split over two gloo ranks, its one KV head replicated). Checks the
 accounting of the local sync-loop test (every row accounted for, vLLM serves ``step-2``, vLLM and
-trainer logprobs agree after the refit), that each role ran in its own actor process with the vLLM
-server a child of its actor, and that no server or actor process outlives the run.
+trainer logprobs agree after the refit, which gathered the TP shards), that each role ran in its
+own actor process with the vLLM server a child of its actor, and that no server or actor process
+outlives the run.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from rl_bridge.services.process import ManagedProcess, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS, GROUP = 4, 4
-#: Logical CPUs of the test cluster: one each for the vLLM, Gym and policy-worker actors.
-CLUSTER_CPUS = 3
+#: Logical CPUs of the test cluster: one each for the vLLM, Gym and two policy-worker actors.
+CLUSTER_CPUS = 4
 #: Longest wait for ``ray start`` to report the cluster up, in seconds.
 CLUSTER_START_TIMEOUT_S = 240.0
 #: ``ray start`` tries: its node fails to start when the raylet's agents miss their start deadline.
@@ -141,6 +145,8 @@ def run(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dic
             "validation.every=2",
             "cluster.backend=ray",
             f"cluster.ray_address={ray_address}",
+            "model.cpu_policy_ranks=2",
+            "model.policy_tensor_parallel_size=2",
         ],
     )
     summary = run_sync(recipe)
@@ -168,6 +174,10 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(
 ) -> None:
     summary, history, _ = run
     assert summary["served_weight_version"] == "step-2"
+    assert summary["placement"] | {"backend": "ray"} == {
+        "backend": "ray", "vllm_servers": 1, "vllm_tensor_parallel": 1, "policy_ranks": 2,
+        "policy_tensor_parallel": 2, "policy_data_parallel": 1, "distributed_optimizer": False,
+    }  # fmt: skip
     step2 = next(r for r in history if r["step"] == 2 and "rollout/rows" in r)
     assert step2["refit/weight_version"] == 2.0
     assert 1.0 <= step2["mismatch/token_mult_prob_error"] < 1.01
@@ -178,18 +188,19 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(
 def test_each_role_ran_in_its_own_ray_actor(run: tuple[dict, list[dict], dict]) -> None:
     _, _, placement = run
     roles = placement["roles"]
-    assert set(roles) == {"vllm", "gym", "policy[rank 0]"}
+    assert set(roles) == {"vllm", "gym", "policy[rank 0]", "policy[rank 1]"}
     actor_pids = {info["pid"] for info in roles.values()}
-    assert len(actor_pids) == 3
+    assert len(actor_pids) == 4
     assert os.getpid() not in actor_pids and placement["driver"]["pid"] == os.getpid()
     # The vLLM server was started by its actor; the Gym servers are other processes again.
     assert placement["vllm"]["server_ppid"] == roles["vllm"]["pid"]
     assert not actor_pids & set(placement["gym"]["server_pids"].values())
     assert placement["policy_layouts"] == [
         {
-            "rank": 0, "world_size": 1, "tensor_parallel": 1, "data_parallel": 1, "tensor_parallel_rank": 0,
+            "rank": rank, "world_size": 2, "tensor_parallel": 2, "data_parallel": 1, "tensor_parallel_rank": rank,
             "data_parallel_rank": 0, "device": "cpu", "backend": "gloo",
         }
+        for rank in (0, 1)
     ]  # fmt: skip
 
 

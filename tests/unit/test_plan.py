@@ -127,12 +127,30 @@ def test_the_tiny_shape_counts_the_tiny_checkpoint_exactly() -> None:
 
 
 @pytest.mark.parametrize("path", CPU_RECIPES, ids=lambda p: p.stem)
-def test_cpu_recipes_plan_one_vllm_server_and_one_policy_process(path: Path) -> None:
-    plan = plan_placement(load_recipe(path), Hardware())
+def test_cpu_recipes_plan_their_servers_and_ranks_on_the_cpu(path: Path) -> None:
+    recipe = load_recipe(path)
+    plan = plan_placement(recipe, Hardware())
     assert plan.placement == "cpu"
-    assert len(plan.vllm) == 1 and plan.vllm[0].devices == ()
-    assert len(plan.policy) == 1 and plan.policy[0].device is None
+    assert len(plan.vllm) == recipe.model.cpu_vllm_servers and all(r.devices == () for r in plan.vllm)
+    assert len(plan.policy) == recipe.model.cpu_policy_ranks and all(r.device is None for r in plan.policy)
     assert "cpu" in plan.table()
+
+
+def test_the_scaled_cpu_recipe_plans_two_servers_and_two_data_parallel_ranks() -> None:
+    plan = plan_placement(load_recipe(RECIPES / "tiny_cpu_scaled.yaml"), Hardware())
+    assert (len(plan.vllm), len(plan.policy)) == (2, 2)
+    assert (plan.tensor_parallel, plan.data_parallel, plan.distributed_optimizer) == (1, 2, True)
+    assert plan.data_groups == ((0, 1),)
+    tp = plan_placement(
+        load_recipe(RECIPES / "tiny_cpu_scaled.yaml", ["model.policy_tensor_parallel_size=2"]), Hardware()
+    )
+    assert (tp.tensor_parallel, tp.data_parallel, tp.tensor_groups) == (2, 1, ((0, 1),))
+
+
+def test_a_cpu_tensor_parallel_size_that_does_not_fit_the_heads_is_refused() -> None:
+    recipe = load_recipe(None, ["model.cpu_policy_ranks=4", "model.policy_tensor_parallel_size=4"])
+    with pytest.raises(PlacementError, match="model.policy_tensor_parallel_size=4"):
+        plan_placement(recipe, Hardware())
 
 
 def _colocated_7b(*overrides: str) -> object:

@@ -444,6 +444,10 @@ class TrainSection(_Section):
     layer's input, language model and vision tower, and recomputes the layer in the backward pass
     (about a third more compute, a fraction of the activation memory; CUDA only). The planner
     sizes a micro-batch's activations by it."""
+    distributed_optimizer: bool | None = None
+    """Megatron's distributed optimizer (``PolicyConfig.distributed_optimizer``): master weights
+    and Adam's moments sharded over the policy's data-parallel ranks; the same update. ``None``: on
+    when the data-parallel size is above 1 (what the planner assumes)."""
     media_store_mb: PositiveInt = 2048
     """Bound on the trainer's processed media kept for reuse across samples and steps, MiB
     (:class:`rl_bridge.media_batch.MediaStore`, least recently used dropped first; a dropped clip
@@ -717,6 +721,13 @@ class Recipe(_Section):
         loss = self.train.loss
         return (several and loss.proximal_policy == "trainer") or loss.seq_mismatch_threshold is not None
 
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the policy shards its optimizer state (``train.distributed_optimizer``, by
+        default when the data-parallel size is above 1)."""
+        chosen = self.train.distributed_optimizer
+        return self.model.policy_data_parallel_size > 1 if chosen is None else chosen
+
     def policy_config(self, token_support: Sequence[int] | None = None) -> PolicyConfig:
         """The Megatron policy's settings for this recipe: logprobs at the sampling temperature,
         over ``token_support`` (the tokens sampling is restricted to, e.g. the option letters with
@@ -733,6 +744,7 @@ class Recipe(_Section):
             weight_decay=self.train.weight_decay,
             micro_batch_size=self.train.micro_batch_size,
             recompute=self.train.recompute,
+            distributed_optimizer=self.distributed_optimizer,
             temperature=self.rollout.temperature,
             token_support=tuple(token_support) if token_support is not None else None,
         )

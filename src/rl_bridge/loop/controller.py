@@ -22,6 +22,7 @@ import math
 import random
 import shutil
 import threading
+import urllib.request
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -589,6 +590,21 @@ class Controller:
                 client.refit(path, version=version)
             else:  # stamped only: the checkpoint's weights, served under the run's version
                 client.update_weight_version(version)
+
+    def requests_served(self) -> list[int]:
+        """Requests each vLLM server has finished since it (last) started, by its Prometheus
+        counter ``vllm:request_success_total``, in the order of ``roles.vllm_base_urls``."""
+        counts = []
+        for url in self.roles.vllm_base_urls:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+                text = response.read().decode()
+            finished = (
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:request_success_total")
+            )
+            counts.append(round(sum(finished)))
+        return counts
 
     def served_weight_version(self) -> str:
         """The weight version vLLM serves (every server's, when they agree).

@@ -703,8 +703,9 @@ def plan_placement(
     Args:
         recipe: the run.
         hardware: the machines.
-        distributed_optimizer: shard the optimizer state over data-parallel ranks; ``None``:
-            when the policy's data-parallel size is above 1.
+        distributed_optimizer: shard the optimizer state over data-parallel ranks; ``None``: the
+            recipe's choice (``train.distributed_optimizer``, by default when the policy's
+            data-parallel size is above 1).
 
     Raises:
         PlacementError: more GPUs than ``hardware`` has; a tensor-parallel size that does not fit
@@ -722,7 +723,7 @@ def plan_placement(
     dp = model.policy_data_parallel_size
     ep, vllm_tp = model.policy_expert_parallel_size, model.vllm_tensor_parallel_size
     if distributed_optimizer is None:
-        distributed_optimizer = dp > 1
+        distributed_optimizer = recipe.distributed_optimizer
     reference = needs_reference(recipe.train.loss)
 
     if on_gpus:

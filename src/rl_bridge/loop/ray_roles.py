@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from rl_bridge.grpo import needs_reference
 from rl_bridge.loop import policy_ranks
 from rl_bridge.loop.config import ClusterSection, Recipe, RolePlacement
-from rl_bridge.loop.roles import Roles, vllm_config
+from rl_bridge.loop.roles import Roles, placement_summary, vllm_config
 from rl_bridge.loop.tasks import TaskData
 
 if TYPE_CHECKING:
@@ -474,6 +474,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
         agent_url=gym_started["agent_url"],
         policy=policy_ranks.RankedPolicy("policy", transport, layouts),
         reference=policy_ranks.RankedPolicy("reference", transport, layouts) if with_reference else None,
+        placement=placement_summary(plan, "ray"),
     )
 
 

@@ -70,6 +70,8 @@ class Roles:
     vllm_supervisor: ServiceSupervisor[Any] | None = None
     """Restarts a dead vLLM server of the group (rollouts re-dispatch the rows it had in flight);
     ``None`` where the placement supervises its own processes."""
+    placement: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What was started (:func:`placement_summary`), for the run's summary."""
 
     @property
     def vllm_base_url(self) -> str:
@@ -120,6 +122,20 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         startup_timeout_s=900,
         extra_args=tuple(extra_args),
     )
+
+
+def placement_summary(plan: Plan, backend: str) -> dict[str, Any]:
+    """The started layout in a few numbers: backend, vLLM servers and their TP size, policy ranks
+    and their TP and DP sizes, whether the optimizer is distributed."""
+    return {
+        "backend": backend,
+        "vllm_servers": len(plan.vllm),
+        "vllm_tensor_parallel": plan.vllm[0].tensor_parallel,
+        "policy_ranks": len(plan.policy),
+        "policy_tensor_parallel": plan.tensor_parallel,
+        "policy_data_parallel": plan.data_parallel,
+        "distributed_optimizer": plan.distributed_optimizer,
+    }
 
 
 def run_processor(recipe: Recipe, data: TaskData) -> MediaProcessor:
@@ -201,6 +217,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         policy=policy,
         reference=reference,
         vllm_supervisor=supervisor,
+        placement=placement_summary(plan, "local"),
     )
 
 

@@ -80,5 +80,12 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
             controller.roles.policy.save_checkpoint(run_dir / "checkpoint")
             controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
         served_version = controller.served_weight_version()
+        requests = controller.requests_served()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
-    return report.summary(steps=step, served_version=served_version, setup_s=setup["time/setup_s"])
+    return report.summary(
+        steps=step,
+        served_version=served_version,
+        setup_s=setup["time/setup_s"],
+        placement=controller.roles.placement,
+        vllm_requests=requests,
+    )

@@ -17,7 +17,9 @@ ranks:
   would draw the same dropout mask where Megatron draws one per rank); and a
   :class:`~torch.overrides.TorchFunctionMode` creates tensors asked for on ``device="cuda"`` on the
   CPU and makes ``Tensor.cuda()`` return the tensor itself (the schedules, the optimizer, DDP
-  buffers, and the causal mask of the local ``DotProductAttention``).
+  buffers, and the causal mask of the local ``DotProductAttention``), and ``Tensor.type()`` names
+  a CPU tensor's CUDA type (the distributed optimizer accepts only CUDA parameters by that name;
+  gloo has the reduce-scatter and all-gather it needs).
 * :func:`optimizer_config_for_host`: gradient clipping off (``clip_grad=0``).
 * :func:`single_process_group`: torch.distributed with world size 1 (an in-process store) and
   Megatron's parallel state with TP = PP = 1 (the launcher-free case of
@@ -75,7 +77,9 @@ def _is_cuda_device(device: object) -> bool:
 
 
 class _CudaTensorsOnCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` keyword arguments to the CPU and makes ``Tensor.cuda()`` a no-op."""
+    """Rewrites ``device="cuda"`` keyword arguments to the CPU, makes ``Tensor.cuda()`` a no-op, and
+    names a CPU tensor's type as its CUDA type (``Tensor.type()`` with no argument), which the
+    distributed optimizer checks its parameters against."""
 
     def __torch_function__(
         self,
@@ -87,6 +91,8 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)

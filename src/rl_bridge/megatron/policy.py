@@ -211,6 +211,10 @@ class PolicyConfig:
     vision_attention: VisionAttention = "segment_batched"
     """The vision tower's attention core (see :data:`.model.VisionAttention`); ``segment_batched``
     is the same function with far fewer kernel launches (GPU)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: the fp32 master weights and Adam's moments sharded over
+    the data-parallel ranks (gradients reduce-scattered, parameters all-gathered after the step),
+    the optimizer's memory divided by the data-parallel size. Same update as the replicated one."""
     trainable: bool = True
     """``False``: a forward-only policy, such as the frozen reference of a KL term: no DDP gradient
     buffers, no optimizer, parameters in ``dtype`` without gradients (``dtype``'s bytes per
@@ -307,7 +311,13 @@ class MegatronPolicy:
             freeze_vision=self.config.freeze_vision,
             freeze_projector=self.config.freeze_projector,
             layer_spec=self.config.layer_spec,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=half) if self.config.trainable else None,
+            ddp_config=(
+                DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=half, use_distributed_optimizer=self.config.distributed_optimizer
+                )
+                if self.config.trainable
+                else None
+            ),
             recompute=self.config.recompute,
             vision_attention=self.config.vision_attention,
         )
@@ -368,6 +378,7 @@ class MegatronPolicy:
             bf16=self.config.dtype == torch.bfloat16,
             fp16=self.config.dtype == torch.float16,
             params_dtype=self.config.dtype,
+            use_distributed_optimizer=self.config.distributed_optimizer,
         )
         self._optimizer = get_megatron_optimizer(optimizer_config_for_host(optimizer_config), self._model)
         model_config = get_model_config(self._model[0])

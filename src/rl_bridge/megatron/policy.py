@@ -211,6 +211,11 @@ class PolicyConfig:
     vision_attention: VisionAttention = "segment_batched"
     """The vision tower's attention core (see :data:`.model.VisionAttention`); ``segment_batched``
     is the same function with far fewer kernel launches (GPU)."""
+    fused_kernels: bool = True
+    """On CUDA: the elementwise work (RoPE, SwiGLU, norms, the vision tower's rotary embedding and
+    MLP activations) fused by ``torch.compile`` (:func:`.fusion.fuse_elementwise`), and torch's fused
+    Adam kernel for the fp32 master weights. The same functions, rounded differently in the last
+    bits. No effect on CPU."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer: the fp32 master weights and Adam's moments sharded over
     the data-parallel ranks (gradients reduce-scattered, parameters all-gathered after the step),
@@ -326,7 +331,9 @@ class MegatronPolicy:
         self._optimizer: MegatronOptimizer | None = None
         if self.config.trainable:
             self._build_optimizer()
-        else:
+        if self.config.fused_kernels:
+            self.fuse_kernels()
+        if not self.config.trainable:
             for parameter in self._model[0].parameters():
                 parameter.requires_grad_(False)
             self._model[0].eval()
@@ -385,6 +392,22 @@ class MegatronPolicy:
         model_config.grad_scale_func = self._optimizer.scale_loss
         model_config.no_sync_func = self._model[0].no_sync
         model_config.finalize_model_grads_func = finalize_model_grads
+
+    def fuse_kernels(self) -> dict[str, int]:
+        """Fuse the elementwise regions (:func:`.fusion.fuse_elementwise`) and switch torch's Adam to
+        its fused kernel (megatron-core falls back to torch's ``AdamW`` without Apex or Transformer
+        Engine, in its multi-tensor ``foreach`` form). CUDA only; returns what was changed (empty on
+        CPU)."""
+        from rl_bridge.megatron.fusion import fuse_elementwise
+
+        changed = fuse_elementwise(self._model[0])
+        if changed and self._optimizer is not None:
+            for inner in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
+                if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                    for group in inner.optimizer.param_groups:
+                        group.update(fused=True, foreach=False)
+                    changed["fused_adam"] = changed.get("fused_adam", 0) + 1
+        return changed
 
     def _require_trainable(self, what: str) -> MegatronOptimizer:
         if self._optimizer is None:

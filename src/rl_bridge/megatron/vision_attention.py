@@ -118,7 +118,8 @@ def _segment_batched_forward(
     tokens = hidden_states.shape[0]
     query, key, value = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1).unbind(1)
     cos, sin = position_embeddings
-    query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+    rotary = getattr(self, "fused_rotary", None) or apply_rotary_pos_emb_vision  # see .fusion
+    query, key = rotary(query, key, cos, sin)
     context = segment_attention(query, key, value, cu_seqlens, scale=self.scaling)
     return self.proj(context.reshape(tokens, -1))
 

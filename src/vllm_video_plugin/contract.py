@@ -30,6 +30,7 @@ __all__ = [
     "VIDEO_LOADER_NAME",
     "AspectPolicy",
     "SamplingStyle",
+    "TimestampPolicy",
     "VideoSamplingContract",
 ]
 
@@ -47,6 +48,12 @@ SamplingStyle = Literal["uniform", "nemotron_rounded", "qwen2_vl", "qwen3_vl"]
   ``Qwen2VLVideoProcessor.sample_frames``);
 - ``"qwen3_vl"``: Qwen3-VL fps-based sampling (vLLM ``qwen3_vl`` loader).
 """
+
+TimestampPolicy = Literal["nominal", "presentation"]
+"""What the prompt's timestamps (Qwen3-VL's ``<t seconds>``, Nemotron's frame times) say:
+``"nominal"``: frame index / the video's average frame rate, as stock vLLM writes them;
+``"presentation"``: each sampled frame's decoded presentation time. They differ on
+variable-frame-rate video, where a frame's index says little about when it plays."""
 
 AspectPolicy = Literal["keep", "stretch"]
 """``"keep"`` preserves each frame's aspect ratio when resizing to the budget; ``"stretch"`` fills a
@@ -107,6 +114,11 @@ class VideoSamplingContract(BaseModel):
     (``None``: from the checkpoint). Exclusive with the pixel budget."""
     aspect_policy: AspectPolicy = "keep"
     """How frames are resized to the budget; see :data:`AspectPolicy`."""
+    timestamps: TimestampPolicy = "nominal"
+    """The times the model's processor writes into the prompt; see :data:`TimestampPolicy`. Which
+    frames are sampled does not change. ``"presentation"`` needs a style whose model is shown
+    times (not ``qwen2_vl``). Left out of the media-io block and the fingerprint at its default,
+    so stock-compatible contracts serialise as before."""
 
     @model_validator(mode="before")
     @classmethod
@@ -167,6 +179,11 @@ class VideoSamplingContract(BaseModel):
                     "style 'nemotron_rounded' samples exactly num_frames (rounded to whole tubelets) and "
                     f"takes no fps; drop fps={self.fps} or use style 'uniform' for an fps cap"
                 )
+        if self.timestamps == "presentation" and style == "qwen2_vl":
+            raise ValueError(
+                "timestamps='presentation' changes the times written into the prompt, and style "
+                "'qwen2_vl' (Qwen2.5-VL) writes none: use it with qwen3_vl, uniform or nemotron_rounded"
+            )
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} is larger than max_pixels={self.max_pixels}")
         if self.target_num_patches is not None and (self.min_pixels or self.max_pixels):
@@ -184,9 +201,15 @@ class VideoSamplingContract(BaseModel):
         Use it as ``--media-io-kwargs '{"video": <this dict as JSON>}'``.
         """
         block: dict[str, Any] = {"video_backend": VIDEO_LOADER_NAME}
-        block.update(self.model_dump(mode="json", exclude_none=True))
+        block.update(self._dump(exclude_none=True))
         block["num_frames"] = _UNSET if self.num_frames is None else self.num_frames
         return block
+
+    def _dump(self, *, exclude_none: bool = False) -> dict[str, Any]:
+        data = self.model_dump(mode="json", exclude_none=exclude_none)
+        if data["timestamps"] == "nominal":
+            del data["timestamps"]
+        return data
 
     @classmethod
     def from_media_io_kwargs(cls, kwargs: dict[str, Any]) -> VideoSamplingContract:
@@ -215,7 +238,7 @@ class VideoSamplingContract(BaseModel):
 
     def canonical_json(self) -> str:
         """Every field, keys sorted, no whitespace: equal contracts give equal strings."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self._dump(), sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> str:
         """SHA-256 (hex) of :meth:`canonical_json`, used in cache keys."""

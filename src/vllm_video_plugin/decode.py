@@ -52,7 +52,7 @@ from numpy.typing import NDArray
 
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.errors import VideoDecodeError
-from vllm_video_plugin.sampling import FrameSample, sample_frames
+from vllm_video_plugin.sampling import FrameSample, presentation_timed, sample_frames
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -601,13 +601,10 @@ def decode_frames(
     finally:
         decoder.close()
     data = _stack(decoded, wanted, order, decoder)
-    return FrameBatch(
-        data=data,
-        indices=tuple(order),
-        pts_seconds=tuple(seconds[index] for index in order),
-        source=info,
-        sample=sample,
-    )
+    pts = tuple(seconds[index] for index in order)
+    if sample is not None and isinstance(frames, VideoSamplingContract) and frames.timestamps == "presentation":
+        sample = presentation_timed(sample, [t - info.start_time_s for t in pts])
+    return FrameBatch(data=data, indices=tuple(order), pts_seconds=pts, source=info, sample=sample)
 
 
 def _stack(

@@ -35,8 +35,10 @@ __all__ = [
     "MIN_SOURCE_FPS",
     "QWEN3_UNKNOWN_FPS",
     "FrameSample",
+    "PRESENTATION_INDEX_FPS",
     "nemotron_prompt_timestamps",
     "nemotron_rounded_indices",
+    "presentation_timed",
     "qwen2_5_seconds_per_temporal_patch",
     "qwen2_vl_indices",
     "qwen3_prompt_timestamps",
@@ -48,6 +50,9 @@ __all__ = [
 QWEN3_UNKNOWN_FPS: Final = 24.0
 """Source rate, in frames per second, that Qwen3-VL (HF and vLLM) assumes when a video reports none."""
 _MS_PER_S: Final = 1000.0
+PRESENTATION_INDEX_FPS: Final = 1000.0
+"""Index rate of :func:`presentation_timed` samples: a millisecond clock, on which Qwen3-VL's and
+Nemotron's timestamp arithmetic (``index / fps``; ``index * int(1000 / fps) / 1000``) is exact."""
 
 
 @dataclass(frozen=True)
@@ -350,4 +355,44 @@ def sample_frames(
         temporal_patch_size=tps,
         prompt_timestamps_s=prompt_timestamps,
         seconds_per_temporal_patch=seconds_per_patch,
+    )
+
+
+def presentation_timed(sample: FrameSample, pts_seconds: Sequence[float]) -> FrameSample:
+    """``sample`` with the times its model is shown taken from each frame's presentation time.
+
+    ``pts_seconds`` are the sampled frames' presentation times from the start of the video, in
+    output order. The result counts time on a millisecond clock: ``source_fps`` is
+    :data:`PRESENTATION_INDEX_FPS`, ``indices`` are ``round(pts * 1000)`` and ``total_frames`` the
+    duration on that clock, so that the metadata vLLM's and transformers' processors receive (the
+    ``fps`` and ``frames_indices`` of the video metadata) gives prompt timestamps equal to the
+    presentation times, to the millisecond, through their own unchanged arithmetic.
+    ``timestamps_s`` and ``prompt_timestamps_s`` are recomputed. The frames are the same: only
+    their timing changes. Not for ``qwen2_vl``, whose prompt has no times.
+
+    Raises:
+        VideoSamplingError: a style without prompt times, or a count that does not match the sample.
+    """
+    if sample.style == "qwen2_vl":
+        raise VideoSamplingError("presentation timestamps: style 'qwen2_vl' writes no times into the prompt")
+    if len(pts_seconds) != len(sample.indices):
+        raise VideoSamplingError(
+            f"presentation timestamps: {len(pts_seconds)} times for {len(sample.indices)} sampled frames"
+        )
+    fps = PRESENTATION_INDEX_FPS
+    indices = tuple(max(round(float(t) * fps), 0) for t in pts_seconds)
+    if sample.style == "qwen3_vl":
+        prompt = qwen3_prompt_timestamps(indices, fps, sample.temporal_patch_size)
+    else:
+        prompt = nemotron_prompt_timestamps(indices, fps)
+    return FrameSample(
+        style=sample.style,
+        indices=indices,
+        timestamps_s=tuple(index / fps for index in indices),
+        total_frames=max(round(sample.duration_s * fps), max(indices) + 1),
+        source_fps=fps,
+        duration_s=sample.duration_s,
+        temporal_patch_size=sample.temporal_patch_size,
+        prompt_timestamps_s=prompt,
+        seconds_per_temporal_patch=None,
     )

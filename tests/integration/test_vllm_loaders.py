@@ -251,3 +251,56 @@ def test_bad_requests_are_answered_400(served: Served, media: Media) -> None:
     assert unknown.status_code == 400, unknown.text
     assert "colour" in unknown.text
     assert served.server.process.poll() is None
+
+
+# -- presentation timestamps (variable frame rate) ----------------------------------------------------
+
+#: When each frame of the variable-frame-rate clip plays, seconds: bursts and gaps, so that a frame's
+#: index / average rate (the nominal time) is far from when it plays (3.9 s is written 3.5 s).
+VFR_PTS = [0.0, 0.1, 0.15, 0.5, 0.52, 1.0, 1.7, 1.75, 2.0, 3.0, 3.01, 3.5, 3.83, 3.9]
+
+
+def _prompt_seconds(tokenizer: Any, ids: list[int]) -> list[str]:
+    import re
+
+    return re.findall(r"<(\d+\.\d) seconds>", tokenizer.decode(ids))
+
+
+@pytest.mark.uses_vllm("vllm_qwen3vl")
+def test_presentation_timestamps_reach_the_prompt_on_both_sides(
+    request: pytest.FixtureRequest, loader_media_root: Path, tiny_qwen3vl: Path
+) -> None:
+    """Qwen3-VL on a VFR clip with ``timestamps: presentation``: the ``<t seconds>`` vLLM writes
+    before each temporal patch are the patch's presentation times (mean of its first and last
+    frame, as Qwen3-VL stamps a patch), the trainer's processor sees the same times and expands
+    the same placeholders; with the default (nominal) times the prompt differs."""
+    from transformers import AutoTokenizer
+
+    from gym_video_env.synthetic import indexed_frames, write_video
+    from rl_bridge.processors import load_processor
+
+    server: VLLMServer = request.getfixturevalue("vllm_qwen3vl")
+    video = write_video(
+        loader_media_root / "vfr.mp4", indexed_frames(len(VFR_PTS), width=64, height=64), fps=10,
+        pts_seconds=VFR_PTS, gop=5,
+    ).path  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3vl)
+    config = json.loads((tiny_qwen3vl / "config.json").read_text())
+    video_token = config["video_token_id"]
+    prompts = {}
+    for timing in ("nominal", "presentation"):
+        contract = VideoSamplingContract(style="qwen3_vl", fps=2.0, timestamps=timing)
+        served = Served(server, FAMILIES["qwen3_vl"])
+        ids, _ = prompt_of(chat(served, video.as_uri(), contract.to_media_io_kwargs()))
+        # The trainer: the shared decode path and the family's processor.
+        batch = decode_frames(video, contract)
+        processed = load_processor(tiny_qwen3vl, contract).process_video(batch.data, batch.sample)
+        assert sum(processed.placeholder_runs) == ids.count(video_token)
+        assert _prompt_seconds(tokenizer, ids) == [f"{t:.1f}" for t in batch.sample.prompt_timestamps_s]
+        prompts[timing] = ids
+        if timing == "presentation":
+            played = [VFR_PTS[i] for i in batch.indices]
+            played += played[-1:] * (len(played) % 2)
+            patches = [(played[i] + played[i + 1]) / 2 for i in range(0, len(played), 2)]
+            assert batch.sample.prompt_timestamps_s == pytest.approx(patches, abs=5e-4)
+    assert prompts["nominal"] != prompts["presentation"]

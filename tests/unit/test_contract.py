@@ -157,3 +157,14 @@ def test_core_modules_import_without_vllm_or_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "(0, 4, 8)"
+
+
+def test_presentation_timestamps_are_an_option_that_leaves_default_contracts_unchanged() -> None:
+    nominal = VideoSamplingContract(style="qwen3_vl")
+    presentation = VideoSamplingContract(style="qwen3_vl", timestamps="presentation")
+    assert "timestamps" not in nominal.to_media_io_kwargs() and "timestamps" not in nominal.canonical_json()
+    assert presentation.to_media_io_kwargs()["timestamps"] == "presentation"
+    assert VideoSamplingContract.from_media_io_kwargs(presentation.to_media_io_kwargs()) == presentation
+    assert presentation.fingerprint() != nominal.fingerprint()
+    with pytest.raises(ValidationError, match="'qwen2_vl' \\(Qwen2.5-VL\\) writes none"):
+        VideoSamplingContract(style="qwen2_vl", timestamps="presentation")

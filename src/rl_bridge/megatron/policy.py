@@ -403,9 +403,14 @@ class MegatronPolicy:
         changed = fuse_elementwise(self._model[0])
         if changed and self._optimizer is not None:
             for inner in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
-                if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
-                    for group in inner.optimizer.param_groups:
+                adam = inner.optimizer
+                if isinstance(adam, torch.optim.Adam | torch.optim.AdamW):
+                    for group in adam.param_groups:
                         group.update(fused=True, foreach=False)
+                        for parameter in group["params"]:  # the fused kernel keeps steps on the device
+                            state = adam.state.get(parameter, {})
+                            if "step" in state:
+                                state["step"] = state["step"].to(parameter.device, torch.float32)
                     changed["fused_adam"] = changed.get("fused_adam", 0) + 1
         return changed
 

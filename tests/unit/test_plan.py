@@ -315,3 +315,22 @@ def test_cli_plan_imports_neither_vllm_nor_megatron() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "LOADED []" in done.stdout
+
+
+def test_the_local_backend_pins_each_vllm_replica_and_policy_rank_to_its_planned_gpu() -> None:
+    from rl_bridge.loop.policy_ranks import rank_environment
+    from rl_bridge.loop.roles import replica_server
+    from rl_bridge.services.vllm_server import VLLMServerConfig
+
+    plan = plan_placement(load_recipe(RECIPES / "qwen2_5_vl_7b_gpu.yaml"), Hardware(1, 8, 80 * GiB))
+    config = VLLMServerConfig(model=Path("/unused"), extra_env={"KEEP": "1"})
+    pinned = [replica_server(config, replica, several=True) for replica in plan.vllm]
+    assert [(c.extra_env, name) for c, name in pinned] == [
+        ({"KEEP": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, "vllm-0"),
+        ({"KEEP": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, "vllm-1"),
+    ]
+    environments = [rank_environment(rank, len(plan.policy), 29500) for rank in plan.policy]
+    assert [(e.rank, e.local_rank, e.world_size) for e in environments] == [(0, 4, 4), (1, 5, 4), (2, 6, 4), (3, 7, 4)]
+    cpu = plan_placement(load_recipe(RECIPES / "tiny_cpu_scaled.yaml"), Hardware())
+    assert replica_server(config, cpu.vllm[1], several=True) == (config, "vllm-1")
+    assert {rank_environment(rank, 2, 29500).local_rank for rank in cpu.policy} == {0}

@@ -46,6 +46,7 @@ __all__ = [
     "PolicyWorker",
     "RankedPolicy",
     "Transport",
+    "rank_environment",
     "split_for_data_parallel",
 ]
 
@@ -268,6 +269,20 @@ def _serve_rank(connection: Connection, environment: RankEnvironment, setup: dic
         connection.close()
 
 
+def rank_environment(rank: PolicyRank, world_size: int, port: int) -> RankEnvironment:
+    """Where a local rank of the plan joins: its global rank, the GPU the plan gives it (its
+    ``LOCAL_RANK``; 0 on CPU), and the TCP store on loopback ``port``."""
+    from rl_bridge.megatron.distributed import RankEnvironment
+
+    return RankEnvironment(
+        rank=rank.rank,
+        world_size=world_size,
+        local_rank=rank.device.gpu if rank.device is not None else 0,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+
+
 class LocalPolicyRanks:
     """The policy's ranks as child processes of this host, started from the plan's ranks.
 
@@ -289,7 +304,6 @@ class LocalPolicyRanks:
         with_reference: bool,
         start_timeout_s: float = 600.0,
     ) -> None:
-        from rl_bridge.megatron.distributed import RankEnvironment
         from rl_bridge.services.process import free_port
 
         context = multiprocessing.get_context("spawn")
@@ -306,13 +320,7 @@ class LocalPolicyRanks:
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._broken = False
         for rank in ranks:
-            environment = RankEnvironment(
-                rank=rank.rank,
-                world_size=len(ranks),
-                local_rank=rank.device.index if rank.device is not None else 0,
-                master_addr="127.0.0.1",
-                master_port=port,
-            )
+            environment = rank_environment(rank, len(ranks), port)
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=_serve_rank,

@@ -29,11 +29,11 @@ from rl_bridge.loop.tasks import TaskData
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.placement import Plan
+    from rl_bridge.loop.placement import Plan, VLLMReplica
     from rl_bridge.processors import MediaProcessor
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
-__all__ = ["PolicyHandle", "Roles", "start_local_roles", "start_roles", "vllm_config"]
+__all__ = ["PolicyHandle", "Roles", "replica_server", "start_local_roles", "start_roles", "vllm_config"]
 
 
 class PolicyHandle(Protocol):
@@ -183,19 +183,10 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     several = len(plan.vllm) > 1
     servers = []
     for replica in plan.vllm:
-        pinned = config
-        if replica.devices:
-            visible = ",".join(str(device.index) for device in replica.devices)
-            pinned = config.model_copy(update={"extra_env": {**config.extra_env, "CUDA_VISIBLE_DEVICES": visible}})
-        suffix = f"-{replica.index}" if several else ""
+        pinned, name = replica_server(config, replica, several=several)
         servers.append(
             stack.enter_context(
-                start_vllm_server(
-                    pinned,
-                    log_dir=run_dir / "logs" / f"vllm{suffix}",
-                    wait=False,
-                    name=f"vllm{suffix}[{config.model_name}]",
-                )
+                start_vllm_server(pinned, log_dir=run_dir / "logs" / name, wait=False, name=f"{name}[{config.model_name}]")
             )
         )
     openai_urls = [server.openai_url for server in servers]
@@ -220,6 +211,17 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         vllm_supervisor=supervisor,
         placement=placement_summary(plan, "local"),
     )
+
+
+def replica_server(config: VLLMServerConfig, replica: VLLMReplica, *, several: bool) -> tuple[VLLMServerConfig, str]:
+    """The server of one vLLM replica: ``config`` pinned to the replica's GPUs
+    (``CUDA_VISIBLE_DEVICES``; unchanged on CPU), and its name, ``vllm`` or ``vllm-<i>`` among
+    several (its log directory under ``logs/``)."""
+    name = f"vllm-{replica.index}" if several else "vllm"
+    if not replica.devices:
+        return config, name
+    visible = ",".join(str(device.gpu) for device in replica.devices)
+    return config.model_copy(update={"extra_env": {**config.extra_env, "CUDA_VISIBLE_DEVICES": visible}}), name
 
 
 def _start_local_policy(
@@ -249,7 +251,7 @@ def _start_local_policy(
         return RankedPolicy("policy", ranks.call, ranks.layouts), reference
     device = plan.policy[0].device
     environment = dataclasses.replace(
-        RankEnvironment.single_process(), local_rank=device.index if device is not None else 0
+        RankEnvironment.single_process(), local_rank=device.gpu if device is not None else 0
     )
     stack.enter_context(cpu_execution())
     stack.enter_context(model_parallel_group(tensor_parallel=1, seed=recipe.seed, environment=environment))

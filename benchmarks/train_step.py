@@ -663,7 +663,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         fresh = MegatronPolicy(Path(args.workdir) / "checkpoint", fused_config)
         use_segment_batched_vision_attention(fresh.model[0])
         unfused = [o[s.target_mask] for o, s in zip(old, samples, strict=True)]
-        again = [o[s.target_mask] for o, s in zip(fresh.logprobs(plain, micro_batch_size=1), samples, strict=True)]
+        fused_logprobs = fresh.logprobs(plain, micro_batch_size=1)
+        again = [o[s.target_mask] for o, s in zip(fused_logprobs, samples, strict=True)]
         deltas = torch.cat([(a - b).abs() for a, b in zip(again, unfused, strict=True)])
         fused_check = {"mean_abs_delta": float(deltas.mean()), "max_abs_delta": float(deltas.max())}
         if rank0:
@@ -908,7 +909,9 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         "ratios_ours_over_hf_same_attention": ratios_same_attention,
         "tensor_parallel_scaling": scaling,
         "logprob_check_vs_hf": {f"tp{tp}": m["logprob_check"] for tp, m in megatron.items()},
-        "logprob_check_fused_vs_unfused": {f"tp{tp}": m.get("fused_logprob_check") for tp, m in megatron.items()},
+        "logprob_check_fused_vs_unfused": {
+            f"tp{tp}": m.get("fused_logprob_check") for tp, m in megatron.items()
+        },
         "build_s": {
             "hf": hf["build_s"],
             "hf_save": hf["save_s"],
@@ -931,7 +934,8 @@ def orchestrate(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         )
     if ratios_same_attention is not None:
         print(
-            f"ours = {ours['name']} vs hf+segment_batched: logprobs {ratios_same_attention['logprobs']:.2f}x, "
+            f"ours = {ours['name']} vs hf+segment_batched: "
+            f"logprobs {ratios_same_attention['logprobs']:.2f}x, "
             f"train step {ratios_same_attention['train']:.2f}x tokens/s"
         )
     for name, entry in scaling.items():

@@ -602,7 +602,7 @@ def decode_frames(
         decoder.close()
     data = _stack(decoded, wanted, order, decoder)
     pts = tuple(seconds[index] for index in order)
-    if sample is not None and isinstance(frames, VideoSamplingContract) and frames.timestamps == "presentation":
+    if sample is not None and isinstance(frames, VideoSamplingContract) and frames.timestamps != "nominal":
         sample = presentation_timed(sample, [t - info.start_time_s for t in pts])
     return FrameBatch(data=data, indices=tuple(order), pts_seconds=pts, source=info, sample=sample)
 

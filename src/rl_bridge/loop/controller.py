@@ -614,7 +614,8 @@ class Controller:
         """
         versions = [client.weight_version() for client in self.refit_clients]
         if len(set(versions)) > 1:
-            served = ", ".join(f"{url}: {v}" for url, v in zip(self.roles.vllm_base_urls, versions, strict=True))
+            pairs = zip(self.roles.vllm_base_urls, versions, strict=True)
+            served = ", ".join(f"{url}: {version}" for url, version in pairs)
             raise RuntimeError(f"the vLLM servers serve different weight versions ({served})")
         return versions[0]
 

@@ -100,7 +100,8 @@ class PolicyWorker:
         return layout
 
     def call(self, which: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``getattr(policy, method)(*args, **kwargs)`` on the policy ``which`` (``"policy"``/``"reference"``)."""
+        """``getattr(policy, method)(*args, **kwargs)`` on the policy ``which`` (``"policy"`` or
+        ``"reference"``)."""
         from rl_bridge.megatron.cpu_support import cpu_execution
 
         with cpu_execution():
@@ -159,7 +160,9 @@ class RankedPolicy:
     def _same(self, *args: Any) -> list[tuple[Any, ...]]:
         return [args] * len(self._layouts)
 
-    def _in_batch_order(self, shares: Sequence[Sequence[Any]], per_rank: Sequence[list[Any]], total: int) -> list[Any]:
+    def _in_batch_order(
+        self, shares: Sequence[Sequence[Any]], per_rank: Sequence[list[Any]], total: int
+    ) -> list[Any]:
         """Per-sample results of each replica's first tensor-parallel rank, in batch order (the
         zero-weight fillers of empty shares dropped)."""
         by_replica = {
@@ -178,7 +181,8 @@ class RankedPolicy:
     def logprobs(self, batch: Sequence[PolicySample]) -> list[Any]:
         """Per-token logprobs of every sample (see :meth:`MegatronPolicy.logprobs`), in batch order."""
         shares = split_for_data_parallel(batch, self.data_parallel)
-        results = self._call_all("logprobs", [(shares[layout.data_parallel_rank],) for layout in self._layouts])
+        per_rank = [(shares[layout.data_parallel_rank],) for layout in self._layouts]
+        results = self._call_all("logprobs", per_rank)
         return self._in_batch_order(shares, results, len(batch))
 
     def train_step(
@@ -243,7 +247,9 @@ def _picklable_error(error: BaseException, trace: str) -> BaseException:
     return error
 
 
-def _serve_rank(connection: Connection, environment: RankEnvironment, setup: dict[str, Any], threads: int) -> None:
+def _serve_rank(
+    connection: Connection, environment: RankEnvironment, setup: dict[str, Any], threads: int
+) -> None:
     """A local rank's process: build the worker, then answer calls until told to stop (``None``)
     or the driver's end of the pipe closes."""
     import torch
@@ -338,7 +344,9 @@ class LocalPolicyRanks:
             self.stop()
             raise
 
-    def call(self, which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]) -> list[Any]:
+    def call(
+        self, which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]
+    ) -> list[Any]:
         """The :data:`Transport` of these ranks."""
         if self._broken:
             raise RuntimeError("the policy's ranks are unusable after an earlier rank failure")

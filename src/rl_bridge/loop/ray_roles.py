@@ -282,7 +282,9 @@ def ray_transport(workers: Sequence[ray.actor.ActorHandle]) -> policy_ranks.Tran
     """The :data:`~rl_bridge.loop.policy_ranks.Transport` of :class:`PolicyWorker` actors (in rank
     order): each rank's call as a Ray task, the first failure raised with its rank named."""
 
-    def call_all(which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]) -> list[Any]:
+    def call_all(
+        which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]
+    ) -> list[Any]:
         return _gather(
             [
                 (f"{which}[rank {rank}]", worker.call.remote(which, method, *args, **kwargs))
@@ -314,7 +316,9 @@ def _actor_options(
 def _local_cpus(cluster: ClusterSection, plan: Plan) -> int:
     """Logical CPUs a local Ray instance needs to place every role of ``plan`` (at least 1)."""
     wanted = (
-        len(plan.vllm) * cluster.vllm.num_cpus + cluster.gym.num_cpus + len(plan.policy) * cluster.policy.num_cpus
+        len(plan.vllm) * cluster.vllm.num_cpus
+        + cluster.gym.num_cpus
+        + len(plan.policy) * cluster.policy.num_cpus
     )
     return max(1, math.ceil(wanted))
 

@@ -186,7 +186,9 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         pinned, name = replica_server(config, replica, several=several)
         servers.append(
             stack.enter_context(
-                start_vllm_server(pinned, log_dir=run_dir / "logs" / name, wait=False, name=f"{name}[{config.model_name}]")
+                start_vllm_server(
+                    pinned, log_dir=run_dir / "logs" / name, wait=False, name=f"{name}[{config.model_name}]"
+                )
             )
         )
     openai_urls = [server.openai_url for server in servers]
@@ -213,7 +215,9 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     )
 
 
-def replica_server(config: VLLMServerConfig, replica: VLLMReplica, *, several: bool) -> tuple[VLLMServerConfig, str]:
+def replica_server(
+    config: VLLMServerConfig, replica: VLLMReplica, *, several: bool
+) -> tuple[VLLMServerConfig, str]:
     """The server of one vLLM replica: ``config`` pinned to the replica's GPUs
     (``CUDA_VISIBLE_DEVICES``; unchanged on CPU), and its name, ``vllm`` or ``vllm-<i>`` among
     several (its log directory under ``logs/``)."""
@@ -221,7 +225,8 @@ def replica_server(config: VLLMServerConfig, replica: VLLMReplica, *, several: b
     if not replica.devices:
         return config, name
     visible = ",".join(str(device.gpu) for device in replica.devices)
-    return config.model_copy(update={"extra_env": {**config.extra_env, "CUDA_VISIBLE_DEVICES": visible}}), name
+    pinned = config.model_copy(update={"extra_env": {**config.extra_env, "CUDA_VISIBLE_DEVICES": visible}})
+    return pinned, name
 
 
 def _start_local_policy(
@@ -256,7 +261,9 @@ def _start_local_policy(
     stack.enter_context(cpu_execution())
     stack.enter_context(model_parallel_group(tensor_parallel=1, seed=recipe.seed, environment=environment))
     policy = MegatronPolicy(data.model_dir, config)
-    reference = MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False)) if with_reference else None
+    reference = None
+    if with_reference:
+        reference = MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False))
     return policy, reference
 
 

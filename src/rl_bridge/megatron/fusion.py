@@ -47,7 +47,9 @@ def fused_rotary_vision() -> Callable[..., Any]:
     compiled; the eager function on CPU."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
-    return _compiled(apply_rotary_pos_emb_vision) if torch.cuda.is_available() else apply_rotary_pos_emb_vision
+    if not torch.cuda.is_available():
+        return apply_rotary_pos_emb_vision
+    return _compiled(apply_rotary_pos_emb_vision)
 
 
 def _compile_rope() -> None:
@@ -80,7 +82,7 @@ def fuse_elementwise(model: nn.Module) -> dict[str, int]:
         if name in _COMPILED_MODULES:
             module.compile(dynamic=None)
             count(name)
-        elif name == "MLP" and getattr(module, "activation_func", None) is F.silu and module.config.gated_linear_unit:
+        elif name == "MLP" and module.activation_func is F.silu and module.config.gated_linear_unit:
             module.config.bias_activation_fusion = True  # megatron-core's fused (bias-)SwiGLU
             count("swiglu")
         elif name == "Qwen2_5_VLVisionAttention":

@@ -20,14 +20,14 @@ fine, my request failed for another reason" (same generation)::
         results, stats = collect_rollouts(agent_url, rows, settings, supervisor=supervisor)
 
 Concurrent callers are serialised: while one restarts the server the others wait, then see the new
-generation.
+generation. After ``max_restarts`` restarts, a further failure raises :class:`ServiceError`
+(and so does every later call): a server that keeps dying needs a person, not another restart.
 
 **Several servers.** A supervisor can watch a group (the vLLM replicas of a run behind one Gym
 model server): each is probed and restarted on its own, and the generation counts the group's
 restarts. A caller does not know which replica served its request (Gym spreads sessions over them),
 so a restart of any replica counts as "restarted under" a request that failed meanwhile: at worst
-an innocent request is re-dispatched, or dispatched alone once. After ``max_restarts`` restarts, a further failure raises :class:`ServiceError`
-(and so does every later call): a server that keeps dying needs a person, not another restart.
+an innocent request is re-dispatched, or dispatched alone once.
 
 **An input that kills the server.** A video that crashes vLLM's decoder would, re-dispatched
 after every restart, spend the whole restart budget and end the run. So requests go through

@@ -257,16 +257,13 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         report.finish(step)
         final_checkpoint = _save_checkpoint(run_dir, step, controller, buffer)
         controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
-        served_version = controller.served_weight_version()
-        requests = controller.requests_served()
+        serving = controller.serving_summary()
         write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
 
     return report.summary(
         steps=step,
-        served_version=served_version,
         setup_s=setup["time/setup_s"],
-        placement=controller.roles.placement,
-        vllm_requests=requests,
+        **serving,
         data_exhausted=buffer.exhausted(),
         resumed_from=str(checkpoint) if checkpoint is not None else None,
         checkpoint=str(final_checkpoint),

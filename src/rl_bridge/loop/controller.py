@@ -22,8 +22,8 @@ import math
 import random
 import shutil
 import threading
-import urllib.request
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -605,6 +605,16 @@ class Controller:
             )
             counts.append(round(sum(finished)))
         return counts
+
+    def serving_summary(self) -> dict[str, Any]:
+        """What a run's summary says about its servers at the end: ``served_version``
+        (:meth:`served_weight_version`), ``placement`` (what was started) and ``vllm_requests``
+        (:meth:`requests_served`)."""
+        return {
+            "served_version": self.served_weight_version(),
+            "placement": self.roles.placement,
+            "vllm_requests": self.requests_served(),
+        }
 
     def served_weight_version(self) -> str:
         """The weight version vLLM serves (every server's, when they agree).

@@ -99,6 +99,12 @@ class PolicyWorker:
                 )
         return layout
 
+    def policy(self, which: str) -> Any:
+        """The :class:`~rl_bridge.megatron.policy.MegatronPolicy` ``which`` (``"policy"`` or
+        ``"reference"``), for a caller in this process that keeps
+        :func:`~rl_bridge.megatron.cpu_support.cpu_execution` entered itself."""
+        return self._policies[which]
+
     def call(self, which: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """``getattr(policy, method)(*args, **kwargs)`` on the policy ``which`` (``"policy"`` or
         ``"reference"``)."""

@@ -73,10 +73,6 @@ class Roles:
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What was started (:func:`placement_summary`), for the run's summary."""
 
-    @property
-    def vllm_base_url(self) -> str:
-        """The first vLLM server's root."""
-        return self.vllm_base_urls[0]
 
 
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
@@ -234,10 +230,9 @@ def _start_local_policy(
 ) -> tuple[PolicyHandle, PolicyHandle | None]:
     """The policy (and the reference) of ``plan``: in this process for one rank, else one child
     process per rank."""
-    from rl_bridge.loop.policy_ranks import LocalPolicyRanks, RankedPolicy
+    from rl_bridge.loop.policy_ranks import LocalPolicyRanks, PolicyWorker, RankedPolicy
     from rl_bridge.megatron.cpu_support import cpu_execution
-    from rl_bridge.megatron.distributed import RankEnvironment, model_parallel_group
-    from rl_bridge.megatron.policy import MegatronPolicy
+    from rl_bridge.megatron.distributed import RankEnvironment
 
     config = recipe.policy_config(data.token_support(recipe))
     with_reference = needs_reference(recipe.train.loss)
@@ -258,13 +253,18 @@ def _start_local_policy(
     environment = dataclasses.replace(
         RankEnvironment.single_process(), local_rank=device.gpu if device is not None else 0
     )
-    stack.enter_context(cpu_execution())
-    stack.enter_context(model_parallel_group(tensor_parallel=1, seed=recipe.seed, environment=environment))
-    policy = MegatronPolicy(data.model_dir, config)
-    reference = None
-    if with_reference:
-        reference = MegatronPolicy(data.model_dir, dataclasses.replace(config, trainable=False))
-    return policy, reference
+    stack.enter_context(cpu_execution())  # the controller calls the policy directly, for the whole run
+    worker = PolicyWorker()
+    stack.callback(worker.stop)
+    worker.setup(
+        environment,
+        tensor_parallel=1,
+        seed=recipe.seed,
+        model_dir=str(data.model_dir),
+        config=config,
+        with_reference=with_reference,
+    )
+    return worker.policy("policy"), worker.policy("reference") if with_reference else None
 
 
 def start_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:

@@ -8,9 +8,11 @@ memory-efficient kernels on GPUs and to a fused kernel on CPU. It is a drop-in r
 the ``core_attention`` submodule of the local spec (:func:`sdpa_local_layer_spec`).
 
 Supported: causal and explicit boolean masks (``True`` = masked, Megatron's convention), grouped
-query attention, attention dropout, ``apply_query_key_layer_scaling``. Not supported, and refused
-at construction: sliding-window attention and non-vanilla softmax types. Like the local module it
-replaces, it refuses packed (THD) sequences and context parallelism.
+query attention, attention dropout, ``apply_query_key_layer_scaling``, and packed (THD) sequences
+in a non-causal layer (a vision tower's frames: each token attends within its own segment, through
+:func:`~rl_bridge.megatron.vision_attention.segment_attention`). Not supported, and refused at
+construction: sliding-window attention and non-vanilla softmax types; refused at call time:
+packed causal sequences and context parallelism.
 """
 
 from __future__ import annotations
@@ -80,10 +82,10 @@ class SDPADotProductAttention(DotProductAttention):
                 is masked out; ``None`` means causal for a causal layer (when ``sq > 1``), else none.
             attn_mask_type: ignored, as in ``DotProductAttention``; the layer's own type decides.
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPADotProductAttention does not support packed (THD) sequences")
         if attention_bias is not None:
             raise NotImplementedError("SDPADotProductAttention does not support an attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
         sq, sk = query.size(0), key.size(0)
         is_causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1
         if is_causal and sq != sk:
@@ -106,6 +108,38 @@ class SDPADotProductAttention(DotProductAttention):
                 context = self._attend(q, k, v, additive_mask, is_causal, dropout_p)
         # [b, n, sq, d] -> [sq, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), self.hidden_size_per_partition)
+
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        packed_seq_params: PackedSeqParams,
+    ) -> torch.Tensor:
+        """Non-causal attention within each packed segment: ``[t, heads, d]`` in, ``[t, heads * d]`` out."""
+        from rl_bridge.megatron.vision_attention import segment_attention
+
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        unsupported = [
+            reason
+            for reason, present in (
+                (f"qkv_format={packed_seq_params.qkv_format!r}", packed_seq_params.qkv_format != "thd"),
+                (f"attn_mask_type={self.attn_mask_type.name}", self.attn_mask_type != AttnMaskType.no_mask),
+                ("an attention mask", attention_mask is not None),
+                ("attention dropout", self.training and self.attention_dropout.p > 0),
+                ("grouped query attention", key.shape != query.shape),
+                ("different query and key segments", cu_kv is not None and not torch.equal(cu_q, cu_kv)),
+            )
+            if present
+        ]
+        if unsupported:
+            raise NotImplementedError(
+                "SDPADotProductAttention: packed sequences are supported for non-causal THD attention "
+                f"only, got {', '.join(unsupported)}"
+            )
+        context = segment_attention(query, key, value, cu_q, scale=self._sdpa_scale)
+        return context.reshape(query.size(0), self.hidden_size_per_partition)
 
     def _attend(
         self,

@@ -5,8 +5,8 @@
 HF weights in after construction, and ``provide_distributed_model`` builds the model. All geometry
 (layer sizes, heads, vocabulary, the vision tower's patch/merge/temporal sizes, multimodal RoPE
 sections, special token ids) comes from the checkpoint. Supported: Qwen2.5-VL (HF vision tower,
-Megatron GPT language model), the one video model of Megatron-Bridge 0.6 that runs without
-Transformer Engine.
+Megatron GPT language model) and dense Qwen3-VL (megatron-core vision tower and language model with
+DeepStack, built from local layers by :mod:`.qwen3_vl` when Transformer Engine is absent).
 
 Call everything here with torch.distributed initialised (:func:`.cpu_support.single_process_group`)
 and, on a host without CUDA, inside :func:`.cpu_support.cpu_execution`.
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 
 from rl_bridge.megatron.cpu_support import cpu_execution_active, cpu_support_needed
+from rl_bridge.megatron.qwen3_vl import QWEN3_VL_ARCHITECTURES, use_local_layers
 from rl_bridge.megatron.te_standin import import_megatron_bridge, transformer_engine_installed
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ attention call per window or frame). ``segment_batched``:
 function, far fewer kernel launches.
 """
 
-_SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+_QWEN2_5_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+_SUPPORTED_ARCHITECTURES = _QWEN2_5_VL_ARCHITECTURES + QWEN3_VL_ARCHITECTURES
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -89,8 +91,14 @@ def load_bridge(hf_path: str | Path) -> AutoBridge:
     return bridge
 
 
+def is_qwen3_vl(bridge: AutoBridge) -> bool:
+    """Whether ``bridge`` holds a Qwen3-VL checkpoint (megatron-core vision tower, DeepStack)."""
+    architectures = getattr(bridge.hf_pretrained.config, "architectures", None) or ()
+    return bool(set(architectures) & set(QWEN3_VL_ARCHITECTURES))
+
+
 def mrope_section(text_config: Any) -> list[int]:
-    """The multimodal RoPE sections (temporal, height, width) of an HF Qwen2.5-VL text config.
+    """The multimodal RoPE sections (temporal, height, width) of an HF Qwen-VL text config.
 
     They split ``head_dim / 2`` rotary frequencies between the three position axes. Read from
     ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (earlier).
@@ -200,8 +208,11 @@ def build_policy(
     # Megatron-Bridge 0.6 leaves the provider's default [16, 24, 24] (head_dim 128) in place.
     provider.mrope_section = mrope_section(bridge.hf_pretrained.config.text_config)
     spec = _layer_spec(layer_spec)
+    qwen3 = is_qwen3_vl(bridge)
     if spec is not None:
         provider.transformer_layer_spec = spec
+        if qwen3:
+            use_local_layers(provider)
     provider.freeze_vision_model = freeze_vision
     provider.freeze_vision_projection = freeze_projector
     if recompute == "full":
@@ -222,6 +233,8 @@ def build_policy(
     if ddp_config is not None and on_cpu:
         model = _wrap_ddp_on_cpu(model, ddp_config)
     for module in model:
+        if qwen3:
+            continue  # its megatron-core vision tower attends per frame already; recomputed with the LM
         if vision_attention == "segment_batched":
             from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
 

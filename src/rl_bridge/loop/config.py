@@ -47,14 +47,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-ModelFamily = Literal["qwen2_5_vl", "nemotron_omni"]
-"""Model families a recipe can name: Qwen2.5-VL (tiny CPU demo and real checkpoints) and Nemotron 3
-Nano Omni (real checkpoints on GPUs with Transformer Engine only)."""
+ModelFamily = Literal["qwen2_5_vl", "qwen3_vl", "nemotron_omni"]
+"""Model families a recipe can name: Qwen2.5-VL and dense Qwen3-VL (tiny CPU demo and real
+checkpoints, with or without Transformer Engine) and Nemotron 3 Nano Omni (real checkpoints on GPUs
+with Transformer Engine only)."""
 
 # Per family: pixels per side of one video token after the vision encoder's patching and merging,
 # and frames per temporal patch. Qwen2.5-VL: 14 px patches merged 2x2, 2 frames per patch;
-# Nemotron Omni (RADIO): 16 px patches, pixel shuffle 2x2, 2 frames per temporal patch.
-_VIDEO_TOKEN_GEOMETRY: dict[str, tuple[int, int]] = {"qwen2_5_vl": (28, 2), "nemotron_omni": (32, 2)}
+# Qwen3-VL: 16 px patches merged 2x2, 2 frames per patch; Nemotron Omni (RADIO): 16 px patches,
+# pixel shuffle 2x2, 2 frames per temporal patch.
+_VIDEO_TOKEN_GEOMETRY: dict[str, tuple[int, int]] = {
+    "qwen2_5_vl": (28, 2),
+    "qwen3_vl": (32, 2),
+    "nemotron_omni": (32, 2),
+}
+_TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 class HardwareError(RuntimeError):
@@ -85,7 +92,8 @@ class ModelSection(_Section):
     seed: int = 0
     """Seed of the tiny model's random weight initialisation (``path: null`` only)."""
     spec: dict[str, Any] = Field(default_factory=dict)
-    """Overrides of the tiny family's spec fields (``rl_bridge.tiny_models.Qwen25VLSpec``);
+    """Overrides of the tiny family's spec fields (``rl_bridge.tiny_models.Qwen25VLSpec`` or
+    ``Qwen3VLSpec``);
     ``path: null`` only."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of the policy and of vLLM (the optimizer keeps fp32 master
@@ -139,8 +147,8 @@ class ModelSection(_Section):
     checkpoint's vision geometry; the trainer's processor refuses it too, naming both values."""
     tool_call_parser: str | None = None
     """vLLM's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``), started
-    when the task offers tools; ``None``: the family's (``hermes`` for Qwen2.5-VL, whose chat
-    template writes calls as ``<tool_call>{json}</tool_call>``)."""
+    when the task offers tools; ``None``: the family's (``hermes`` for the Qwen families, whose chat
+    templates write calls as ``<tool_call>{json}</tool_call>``)."""
 
     @property
     def tool_parser(self) -> str | None:
@@ -180,7 +188,7 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _check(self) -> ModelSection:
         if self.path is None:
-            if self.family != "qwen2_5_vl":
+            if self.family not in _TINY_FAMILIES:
                 raise ValueError(
                     f"model.family={self.family!r} has no tiny CPU model: set model.path to a checkpoint"
                 )
@@ -254,7 +262,7 @@ class ModelSection(_Section):
 
 
 # vLLM's tool-call parser for each family's chat template (others must set model.tool_call_parser).
-_TOOL_CALL_PARSERS: dict[str, str] = {"qwen2_5_vl": "hermes"}
+_TOOL_CALL_PARSERS: dict[str, str] = {"qwen2_5_vl": "hermes", "qwen3_vl": "hermes"}
 
 EXPORT_DIR = "export"
 """Where in ``run_dir`` a finished run writes its weights as an HF checkpoint."""

@@ -205,20 +205,29 @@ class ModelShape:
         return self.language_parameters + self.vision_parameters
 
 
-def _qwen2_5_vl_parameters(config: Mapping[str, Any]) -> tuple[int, int, dict[str, int]]:
-    """``(language, vision parameters, text shape)`` of a Qwen2.5-VL ``config.json`` (top-level text
-    fields as published, or transformers 5's ``text_config``). Exact: 3,754,622,976 for
-    Qwen2.5-VL-3B-Instruct and 8,292,166,656 for the 7B, their published totals."""
+def _qwen_vl_parameters(config: Mapping[str, Any], family: str) -> tuple[int, int, dict[str, int]]:
+    """``(language, vision parameters, text shape)`` of a Qwen2.5-VL or Qwen3-VL ``config.json``
+    (top-level text fields as published, or transformers 5's ``text_config``). Exact: 3,754,622,976
+    for Qwen2.5-VL-3B-Instruct and 8,292,166,656 for the 7B, their published totals; for Qwen3-VL
+    the tests check it against transformers' count of a built model.
+
+    Qwen3-VL differs in: no query/key/value biases but query and key RMSNorms in the language
+    model; LayerNorms (weight and bias) and a plain GELU MLP in the vision blocks; a patch
+    embedding with bias; learned position embeddings; and one more merger per DeepStack index.
+    """
+    qwen3 = family == "qwen3_vl"
     text = {**config, **config.get("text_config", {})}
     h, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
     head_dim = text.get("head_dim") or h // heads
     kv_dim = kv * head_dim
+    qkv_bias = text.get("attention_bias", False) if qwen3 else True
     layer = (
-        (h * heads * head_dim + heads * head_dim)  # q (with bias)
-        + 2 * (h * kv_dim + kv_dim)  # k, v (with bias)
+        h * heads * head_dim + h * 2 * kv_dim  # q, k, v
+        + (heads * head_dim + 2 * kv_dim) * qkv_bias
         + heads * head_dim * h  # o
         + 3 * h * text["intermediate_size"]  # gate, up, down
         + 2 * h  # two RMSNorms
+        + 2 * head_dim * qwen3  # query and key RMSNorms
     )
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     language = text["vocab_size"] * h * (1 if tied else 2) + text["num_hidden_layers"] * layer + h
@@ -226,16 +235,24 @@ def _qwen2_5_vl_parameters(config: Mapping[str, Any]) -> tuple[int, int, dict[st
     vh, vi = vision["hidden_size"], vision["intermediate_size"]
     merged = vh * vision.get("spatial_merge_size", 2) ** 2
     channels = vision.get("in_channels", vision.get("in_chans", 3))
-    block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh) + 2 * vh
-    vision_parameters = (
-        channels * vision.get("temporal_patch_size", 2) * vision.get("patch_size", 14) ** 2 * vh
-        + vision["depth"] * block
-        + vh  # merger norm
-        + merged * merged
-        + merged
-        + merged * vision["out_hidden_size"]
-        + vision["out_hidden_size"]
-    )
+    attention = (vh * 3 * vh + 3 * vh) + (vh * vh + vh)
+    if qwen3:
+        mlp, norms = (vh * vi + vi) + (vi * vh + vh), 4 * vh
+    else:
+        mlp, norms = 2 * (vh * vi + vi) + (vi * vh + vh), 2 * vh
+    merger = merged * merged + merged + merged * vision["out_hidden_size"] + vision["out_hidden_size"]
+    patch = channels * vision.get("temporal_patch_size", 2) * vision.get("patch_size", 14) ** 2 * vh
+    vision_parameters = patch + vision["depth"] * (attention + mlp + norms) + merger
+    if qwen3:
+        deepstack = len(vision.get("deepstack_visual_indexes", ()))
+        vision_parameters += (
+            vh  # patch embedding bias
+            + vision["num_position_embeddings"] * vh
+            + 2 * vh  # merger LayerNorm
+            + deepstack * (merger + 2 * merged)  # DeepStack mergers, LayerNorm over the merged size
+        )
+    else:
+        vision_parameters += vh  # merger RMSNorm
     shape = {
         "num_layers": text["num_hidden_layers"],
         "hidden_size": h,
@@ -367,12 +384,46 @@ directory."""
 
 
 def _shape_from_config(family: str, config: Mapping[str, Any], source: str) -> ModelShape:
-    if family == "qwen2_5_vl":
-        language, vision, shape = _qwen2_5_vl_parameters(config)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        language, vision, shape = _qwen_vl_parameters(config, family)
         return ModelShape(source, language, 0, vision, **shape)
     llm = config.get("llm_config") or config.get("text_config") or config
     language, experts, shape = _nemotron_h_parameters(llm)
     return ModelShape(source, language, experts, NEMOTRON_OMNI_ENCODER_PARAMETERS, **shape)
+
+
+_TINY_SOURCE = "the tiny model's spec, model.path: null"
+
+
+def _tiny_config(family: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` fields of the tiny ``family`` model with spec ``overrides``, without building it."""
+    from rl_bridge.tiny_models import FAMILIES
+    from rl_bridge.tiny_models.qwen import QWEN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS
+
+    spec = FAMILIES[family](**overrides)
+    vision = {
+        "depth": spec.vision_depth,
+        "hidden_size": spec.vision_hidden_size,
+        "intermediate_size": spec.vision_intermediate_size,
+        "out_hidden_size": spec.text_hidden_size,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+    }
+    if family == "qwen3_vl":
+        vision["num_position_embeddings"] = spec.num_position_embeddings
+        vision["deepstack_visual_indexes"] = list(spec.deepstack_visual_indexes)
+    return {
+        "vocab_size": spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS),
+        "hidden_size": spec.text_hidden_size,
+        "intermediate_size": spec.text_intermediate_size,
+        "num_hidden_layers": spec.text_num_layers,
+        "num_attention_heads": spec.text_num_heads,
+        "num_key_value_heads": spec.text_num_kv_heads,
+        "head_dim": spec.text_head_dim,
+        "tie_word_embeddings": False,
+        "vision_config": vision,
+    }
 
 
 def model_shape(recipe: Recipe) -> ModelShape:
@@ -384,30 +435,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     """
     model = recipe.model
     if model.path is None:
-        from rl_bridge.tiny_models.qwen import QWEN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, Qwen25VLSpec
-
-        spec = Qwen25VLSpec(**model.spec)
-        vocab = spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS)
-        config = {
-            "vocab_size": vocab,
-            "hidden_size": spec.text_hidden_size,
-            "intermediate_size": spec.text_intermediate_size,
-            "num_hidden_layers": spec.text_num_layers,
-            "num_attention_heads": spec.text_num_heads,
-            "num_key_value_heads": spec.text_num_kv_heads,
-            "head_dim": spec.text_head_dim,
-            "tie_word_embeddings": False,
-            "vision_config": {
-                "depth": spec.vision_depth,
-                "hidden_size": spec.vision_hidden_size,
-                "intermediate_size": spec.vision_intermediate_size,
-                "out_hidden_size": spec.text_hidden_size,
-                "patch_size": spec.patch_size,
-                "spatial_merge_size": spec.spatial_merge_size,
-                "temporal_patch_size": spec.temporal_patch_size,
-            },
-        }
-        return _shape_from_config("qwen2_5_vl", config, "the tiny model's spec, model.path: null")
+        return _shape_from_config(model.family, _tiny_config(model.family, model.spec), _TINY_SOURCE)
     config_path = Path(model.path).expanduser() / "config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -103,20 +103,21 @@ def test_known_checkpoints_count_their_published_parameters() -> None:
     assert (nemotron.num_attention_heads, nemotron.num_key_value_heads, nemotron.num_layers) == (32, 2, 52)
 
 
-def test_the_tiny_shape_counts_the_tiny_checkpoint_exactly() -> None:
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_tiny_shape_counts_the_tiny_checkpoint_exactly(family: str) -> None:
     from safetensors import safe_open
 
     from rl_bridge.tiny_models import build_tiny_model
 
-    model_dir = build_tiny_model("qwen2_5_vl")
+    model_dir = build_tiny_model(family)
     counted = {"language": 0, "vision": 0}
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), "pt") as weights:
             for name in weights.keys():
                 part = "vision" if "visual" in name else "language"
                 counted[part] += math.prod(weights.get_slice(name).get_shape())
-    from_spec = model_shape(load_recipe(None))
-    from_config = model_shape(load_recipe(None, [f"model.path={model_dir}"]))
+    from_spec = model_shape(load_recipe(None, [f"model.family={family}"]))
+    from_config = model_shape(load_recipe(None, [f"model.family={family}", f"model.path={model_dir}"]))
     for shape in (from_spec, from_config):
         assert shape.language_parameters == counted["language"]
         assert shape.vision_parameters == counted["vision"]

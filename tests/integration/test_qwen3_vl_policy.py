@@ -114,6 +114,7 @@ def test_the_model_is_built_from_local_layers(policy: MegatronPolicy) -> None:
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
 
     from rl_bridge.megatron.attention import SDPADotProductAttention
+    from rl_bridge.megatron.qwen3_vl import _sdpa_causal
 
     model = policy.model[0].module
     assert isinstance(model, Qwen3VLModel)
@@ -121,6 +122,8 @@ def test_the_model_is_built_from_local_layers(policy: MegatronPolicy) -> None:
     assert not [type(m).__name__ for m in modules if type(m).__module__.startswith("megatron.core.extensions")]
     vision_attention = model.vision_model.decoder.layers[0].self_attention.core_attention
     assert isinstance(vision_attention, SDPADotProductAttention)
+    # The language layers' causal attention through SDPA, not the upstream fp32 score matrix.
+    assert all(layer.self_attention._local_causal_attention is _sdpa_causal for layer in model.language_model.decoder.layers)
     mergers = [m for m in modules if isinstance(m, Qwen3VLVisionPatchMerger)]
     assert len(mergers) == 2  # the final merger and one DeepStack merger (the tiny model's index 0)
     x = torch.linspace(-3, 3, 7)

@@ -23,6 +23,12 @@ mapping registry already translates them (``input_layernorm`` for
 loading and exporting HF weights is the bridge's own. Tensor parallelism works as in the TE build
 (the local linears are the same column/row split); sequence parallelism does not (torch norms).
 
+``Qwen3VLSelfAttention`` sends every megatron-core ``DotProductAttention`` (the local spec's, and
+ours, a subclass) to its own fallback, which materialises fp32 ``[batch, heads, seq, seq]`` scores
+and probabilities: gigabytes per layer at video lengths. The language layers built here compute
+the same causal attention with ``scaled_dot_product_attention`` instead (flash or memory-efficient
+kernels on GPUs); the fallback stays for the query-shorter-than-key case it also serves.
+
 One correction to the model itself: Megatron-Bridge's patch mergers (the final merger and the
 DeepStack mergers) apply the vision blocks' tanh-approximated GELU, where HF transformers and vLLM
 apply the exact GELU (``nn.GELU()``). With random weights that alone moves the logits by about
@@ -38,6 +44,9 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from rl_bridge.megatron.te_standin import import_megatron_bridge
 
@@ -122,6 +131,7 @@ def provide_without_te(
             add_decoder=provider.add_decoder,
         )
     _exact_gelu_in_mergers(model)
+    _sdpa_causal_language_attention(model)
     if provider.freeze_language_model or provider.freeze_vision_model or provider.freeze_vision_projection:
         model.freeze(
             freeze_language_model=provider.freeze_language_model,
@@ -132,12 +142,35 @@ def provide_without_te(
 
 
 def _exact_gelu_in_mergers(model: Any) -> None:
-    import torch.nn.functional as F
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
 
     for module in model.modules():
         if isinstance(module, Qwen3VLVisionPatchMerger):
             module.activation_func = functools.partial(F.gelu, approximate="none")
+
+
+def _sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Qwen3VLSelfAttention._local_causal_attention`` through SDPA: ``[s, b, heads, d]`` in,
+    ``[s, b, heads * d]`` out, causal, grouped-query heads shared."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
+
+    if query.shape[0] != key.shape[0]:
+        return Qwen3VLSelfAttention._local_causal_attention(query, key, value, scale)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    context = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _sdpa_causal_language_attention(model: Any) -> None:
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
+
+    if model.language_model is None:
+        return
+    for module in model.language_model.modules():
+        if isinstance(module, Qwen3VLSelfAttention):
+            module._local_causal_attention = _sdpa_causal
 
 
 def use_local_layers(provider: Any) -> None:

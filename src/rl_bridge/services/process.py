@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,8 +28,36 @@ class ServiceError(RuntimeError):
     """A managed service failed to start, died, or did not become healthy in time."""
 
 
+# Independent of the run's seeded ``random``: processes seeded alike must not draw alike.
+_PORT_DRAWS = random.SystemRandom()
+
+
+def _ephemeral_ports() -> range:
+    """The kernel's range for ports it assigns itself (outgoing connections, ``bind(0)``)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now (loopback by default)."""
+    """Return a TCP port that is free on ``host`` right now (loopback by default).
+
+    The port is drawn at random from below the kernel's ephemeral range, so that between this call
+    and the server binding it, no outgoing connection or ``bind(0)`` socket of any process (gloo
+    pairs, HTTP clients) can be given it: with ``bind(0)`` itself, a vLLM server occasionally
+    lost its port to one and failed with "Address already in use".
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(10_000, 65_536) if p not in ephemeral]
+    for port in _PORT_DRAWS.sample(candidates, 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

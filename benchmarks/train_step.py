@@ -157,6 +157,100 @@ TINY: dict[str, Any] = {
 }
 
 
+QWEN3_VL_4B: dict[str, Any] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2560,
+        "initializer_range": 0.02,
+        "intermediate_size": 9728,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000,
+            "mrope_interleaved": True,
+            "mrope_section": [24, 20, 20],
+        },
+        "tie_word_embeddings": True,
+        "use_cache": False,
+        "vocab_size": 151936,
+    },
+    "vision_config": {
+        "model_type": "qwen3_vl",
+        "deepstack_visual_indexes": [5, 11, 17],
+        "depth": 24,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2560,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+"""Qwen3-VL-4B-Instruct's dimensions as released (36 layers of 2560, 32/8 heads of 128, a 24-block
+1024-wide vision tower with DeepStack at blocks 5, 11, 17), 4.44 B parameters."""
+
+QWEN3_TINY: dict[str, Any] = {
+    **QWEN3_VL_4B,
+    "image_token_id": 510,
+    "video_token_id": 511,
+    "vision_start_token_id": 507,
+    "vision_end_token_id": 508,
+    "text_config": {
+        **QWEN3_VL_4B["text_config"],
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "vocab_size": 512,
+    },
+    "vision_config": {
+        **QWEN3_VL_4B["vision_config"],
+        "deepstack_visual_indexes": [0],
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "num_position_embeddings": 64,
+        "out_hidden_size": 256,
+    },
+}
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: top level (Qwen2.5-VL as released) or ``text_config`` (Qwen3-VL)."""
+    return {**config, **config.get("text_config", {})}
+
+
+def _qwen3(config: dict[str, Any]) -> bool:
+    return config["model_type"] == "qwen3_vl"
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """The benchmark batch: ``sequences`` samples of text, one video, text, and the response."""
@@ -196,6 +290,32 @@ PRESETS: dict[str, Preset] = {
             regular_vocab=151643,
         ),
     ),
+    "qwen3-vl-4b": Preset(
+        QWEN3_VL_4B,
+        BatchShape(
+            sequences=2,
+            frames=32,
+            height=448,
+            width=448,
+            prefix_tokens=128,
+            question_tokens=128,
+            response_tokens=256,
+            regular_vocab=151643,
+        ),
+    ),
+    "qwen3-tiny": Preset(
+        QWEN3_TINY,
+        BatchShape(
+            sequences=2,
+            frames=4,
+            height=128,
+            width=128,
+            prefix_tokens=16,
+            question_tokens=8,
+            response_tokens=16,
+            regular_vocab=500,
+        ),
+    ),
     "tiny": Preset(
         TINY,
         BatchShape(
@@ -228,8 +348,8 @@ class Sample:
     """``[patches, 3 * temporal_patch * patch * patch]`` fp32, as the HF processor returns."""
     video_grid_thw: torch.Tensor
     """``[1, 3]``."""
-    second_per_grid_ts: torch.Tensor
-    """``[1]`` seconds per temporal patch."""
+    second_per_grid_ts: torch.Tensor | None
+    """``[1]`` seconds per temporal patch (Qwen2.5-VL; Qwen3-VL writes timestamps into the text)."""
 
 
 def video_grid(config: dict[str, Any], shape: BatchShape) -> tuple[int, int, int]:
@@ -246,12 +366,13 @@ def video_grid(config: dict[str, Any], shape: BatchShape) -> tuple[int, int, int
 
 def make_batch(config: dict[str, Any], shape: BatchShape, *, seed: int = 0) -> list[Sample]:
     """Deterministic random samples: text, ``<vision_start>``, video placeholders, ``<vision_end>``,
-    text, response."""
+    text, response. Qwen3-VL: one ``<t seconds><vision_start>...<vision_end>`` block per temporal
+    patch instead (the timestamp as :data:`TIMESTAMP_TOKENS` text tokens), as its processor writes."""
     generator = torch.Generator().manual_seed(seed)
     vision = config["vision_config"]
     t, h, w = video_grid(config, shape)
     video_tokens = t * h * w // vision["spatial_merge_size"] ** 2
-    patch_dim = vision["in_chans"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    patch_dim = _channels(vision) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
     # The processor samples 2 frames per second here, so one temporal patch (2 frames) is 1 s.
     seconds_per_grid = vision["temporal_patch_size"] / 2.0
     samples = []
@@ -260,15 +381,13 @@ def make_batch(config: dict[str, Any], shape: BatchShape, *, seed: int = 0) -> l
         def text(n: int) -> torch.Tensor:
             return torch.randint(0, shape.regular_vocab, (n,), generator=generator)
 
+        blocks = (
+            [text(TIMESTAMP_TOKENS), *_video_block(config, video_tokens // t)] * t
+            if _qwen3(config)
+            else _video_block(config, video_tokens)
+        )
         ids = torch.cat(
-            [
-                text(shape.prefix_tokens),
-                torch.tensor([config["vision_start_token_id"]]),
-                torch.full((video_tokens,), config["video_token_id"]),
-                torch.tensor([config["vision_end_token_id"]]),
-                text(shape.question_tokens),
-                text(shape.response_tokens),
-            ]
+            [text(shape.prefix_tokens), *blocks, text(shape.question_tokens), text(shape.response_tokens)]
         )
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[-shape.response_tokens :] = True
@@ -279,10 +398,22 @@ def make_batch(config: dict[str, Any], shape: BatchShape, *, seed: int = 0) -> l
                 advantage=1.0 if index % 2 == 0 else -1.0,
                 pixel_values_videos=torch.randn(t * h * w, patch_dim, generator=generator),
                 video_grid_thw=torch.tensor([[t, h, w]]),
-                second_per_grid_ts=torch.tensor([seconds_per_grid]),
+                second_per_grid_ts=None if _qwen3(config) else torch.tensor([seconds_per_grid]),
             )
         )
     return samples
+
+
+TIMESTAMP_TOKENS = 6
+"""Text tokens of a Qwen3-VL frame timestamp such as ``<12.5 seconds>``."""
+
+
+def _video_block(config: dict[str, Any], tokens: int) -> list[torch.Tensor]:
+    return [
+        torch.tensor([config["vision_start_token_id"]]),
+        torch.full((tokens,), config["video_token_id"]),
+        torch.tensor([config["vision_end_token_id"]]),
+    ]
 
 
 # -- model FLOPs ----------------------------------------------------------------------------------
@@ -305,37 +436,42 @@ def _window_lengths(config: dict[str, Any], grid: tuple[int, int, int]) -> tuple
 
 def model_flops(config: dict[str, Any], samples: list[Sample]) -> dict[str, float]:
     """Forward-pass model FLOPs of ``samples`` by component (see the module docstring)."""
-    text_hidden = config["hidden_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = text_hidden // heads
+    text = _text(config)
+    text_hidden = text["hidden_size"]
+    heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = text.get("head_dim") or text_hidden // heads
     layer_weights = (
         text_hidden * (heads + 2 * kv_heads) * head_dim  # q, k, v
         + heads * head_dim * text_hidden  # o
-        + 3 * text_hidden * config["intermediate_size"]  # gate, up, down
+        + 3 * text_hidden * text["intermediate_size"]  # gate, up, down
     )
-    text_weights = config["num_hidden_layers"] * layer_weights + text_hidden * config["vocab_size"]
+    text_weights = text["num_hidden_layers"] * layer_weights + text_hidden * text["vocab_size"]
 
     vision = config["vision_config"]
     hidden = vision["hidden_size"]
-    patch_dim = vision["in_chans"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    block_weights = 4 * hidden * hidden + 3 * hidden * vision["intermediate_size"]
+    patch_dim = _channels(vision) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    qwen3 = _qwen3(config)
+    # Qwen3-VL: plain GELU MLP (2 matrices), attention over whole frames in every block, and one
+    # merger more per DeepStack index; Qwen2.5-VL: gated MLP (3), windows but in the full blocks.
+    block_weights = 4 * hidden * hidden + (2 if qwen3 else 3) * hidden * vision["intermediate_size"]
     merged = hidden * vision["spatial_merge_size"] ** 2
-    merger_weights = merged * merged + merged * vision["out_hidden_size"]
-    full_blocks = len(vision["fullatt_block_indexes"])
+    mergers = 1 + len(vision.get("deepstack_visual_indexes", ())) if qwen3 else 1
+    merger_weights = mergers * (merged * merged + merged * vision["out_hidden_size"])
+    full_blocks = vision["depth"] if qwen3 else len(vision["fullatt_block_indexes"])
     window_blocks = vision["depth"] - full_blocks
 
     out = {"text_dense": 0.0, "text_attention": 0.0, "vision_dense": 0.0, "vision_attention": 0.0}
     for sample in samples:
         length = sample.input_ids.numel()
         out["text_dense"] += 2.0 * text_weights * length
-        out["text_attention"] += 2.0 * config["num_hidden_layers"] * length**2 * heads * head_dim
+        out["text_attention"] += 2.0 * text["num_hidden_layers"] * length**2 * heads * head_dim
         for grid in sample.video_grid_thw.tolist():
             patches = grid[0] * grid[1] * grid[2]
             out["vision_dense"] += 2.0 * (
                 patches * (patch_dim * hidden + vision["depth"] * block_weights)
                 + patches // vision["spatial_merge_size"] ** 2 * merger_weights
             )
-            windows, frames = _window_lengths(config, tuple(grid))
+            windows, frames = ([], [grid[1] * grid[2]] * grid[0]) if qwen3 else _window_lengths(config, tuple(grid))
             out["vision_attention"] += (
                 4.0
                 * hidden
@@ -343,6 +479,10 @@ def model_flops(config: dict[str, Any], samples: list[Sample]) -> dict[str, floa
             )
     out["total"] = sum(out.values())
     return out
+
+
+def _channels(vision: dict[str, Any]) -> int:
+    return vision.get("in_channels", vision.get("in_chans", 3))
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -437,16 +577,18 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> dict[str, Any]:
     """Build the random model, save it as the shared checkpoint, and measure transformers' training."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     from rl_bridge.grpo import GRPOLossConfig, grpo_loss
     from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
 
     torch.manual_seed(args.seed)
-    config = Qwen2_5_VLConfig(**preset.config)
+    qwen3 = _qwen3(preset.config)
+    prefix = "Qwen3VL" if qwen3 else "Qwen2_5_VL"
+    config = getattr(transformers, f"{prefix}Config")(**preset.config)
     started = time.perf_counter()
     with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")._from_config(
             config, dtype=model_dtype(device), attn_implementation="sdpa"
         )
     build_s = time.perf_counter() - started
@@ -471,9 +613,10 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
         "input_ids": input_ids,
         "pixel_values_videos": torch.cat([s.pixel_values_videos for s in samples]),
         "video_grid_thw": torch.cat([s.video_grid_thw for s in samples]),
-        "second_per_grid_ts": torch.cat([s.second_per_grid_ts for s in samples]),
         "mm_token_type_ids": mm_token_type_ids,
     }
+    if not qwen3:
+        cpu_inputs["second_per_grid_ts"] = torch.cat([s.second_per_grid_ts for s in samples])
     loss_config = GRPOLossConfig()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
 
@@ -505,7 +648,9 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
         optimizer.step()
 
     runs = []
-    for name, prepare in (("hf", None), ("hf+segment_batched", use_segment_batched_vision_attention)):
+    # Qwen3-VL's vision tower attends per frame (one length per video): nothing to batch there.
+    variants = [("hf", None)] + ([] if qwen3 else [("hf+segment_batched", use_segment_batched_vision_attention)])
+    for name, prepare in variants:
         if prepare is not None:
             prepare(model)
         settings = {
@@ -522,22 +667,26 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
 
 
 def processed_media(samples: list[Sample], video_token_id: int) -> list[Any]:
-    """Each sample's video as the policy takes it (``rl_bridge.processors.base.ProcessedMedia``)."""
+    """Each sample's video as the policy takes it (``rl_bridge.processors.base.ProcessedMedia``):
+    one placeholder run per video (Qwen2.5-VL) or per temporal patch (Qwen3-VL)."""
     from rl_bridge.processors.base import ProcessedMedia
 
-    return [
-        ProcessedMedia(
-            kind="video",
-            tensors={
-                "pixel_values_videos": s.pixel_values_videos,
-                "video_grid_thw": s.video_grid_thw,
-                "second_per_grid_ts": s.second_per_grid_ts,
-            },
-            placeholder_token_id=video_token_id,
-            placeholder_runs=(int((s.input_ids == video_token_id).sum()),),
+    out = []
+    for s in samples:
+        tensors = {"pixel_values_videos": s.pixel_values_videos, "video_grid_thw": s.video_grid_thw}
+        tokens = int((s.input_ids == video_token_id).sum())
+        runs = (tokens,)
+        if s.second_per_grid_ts is not None:
+            tensors["second_per_grid_ts"] = s.second_per_grid_ts
+        else:
+            frames = int(s.video_grid_thw[0, 0])
+            runs = (tokens // frames,) * frames
+        out.append(
+            ProcessedMedia(
+                kind="video", tensors=tensors, placeholder_token_id=video_token_id, placeholder_runs=runs
+            )
         )
-        for s in samples
-    ]
+    return out
 
 
 def policy_batch(
@@ -616,7 +765,12 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     loss = GRPOPolicyLoss(GRPOLossConfig())
 
     # Two samples per micro-batch do not fit in 140 GB without recomputation (measured on an H200).
-    if full_recompute:
+    qwen3 = _qwen3(preset.config)
+    if qwen3:  # its megatron-core vision tower: no HF attention to swap
+        variants = [("megatron", None, 1), ("megatron+fused", lambda _model: fused.update(policy.fuse_kernels()), 1)]
+        if full_recompute:
+            variants = [("megatron+full_recompute", None, 1), ("megatron+full_recompute+mbs2", None, 2)]
+    elif full_recompute:
         variants = [
             ("megatron+segment_batched+full_recompute", None, 1),
             ("megatron+segment_batched+full_recompute+mbs2", None, 2),
@@ -636,7 +790,9 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
             "fused_kernels": dict(fused) if name.endswith("+fused") else {},
             "tensor_parallel": args.tensor_parallel,
             "layer_spec": "local_sdpa",
-            "vision_attention": "hf" if name == "megatron" else "segment_batched",
+            "vision_attention": (
+                "megatron-core, per frame" if qwen3 else "hf" if name == "megatron" else "segment_batched"
+            ),
             "micro_batch_size": micro_batch_size,
             "recompute": args.recompute,
             "logprobs": "chunked, target positions only, logits in the model dtype",
@@ -661,7 +817,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
         # The fused kernels on the same weights as the unfused pass above (before any update).
         fused_config = dataclasses.replace(config, fused_kernels=True, trainable=False)
         fresh = MegatronPolicy(Path(args.workdir) / "checkpoint", fused_config)
-        use_segment_batched_vision_attention(fresh.model[0])
+        if not qwen3:
+            use_segment_batched_vision_attention(fresh.model[0])
         unfused = [o[s.target_mask] for o, s in zip(old, samples, strict=True)]
         fused_logprobs = fresh.logprobs(plain, micro_batch_size=1)
         again = [o[s.target_mask] for o, s in zip(fused_logprobs, samples, strict=True)]

@@ -98,6 +98,10 @@ def test_the_memory_estimate_follows_the_documented_formula() -> None:
 def test_known_checkpoints_count_their_published_parameters() -> None:
     for name, total in (("qwen2_5_vl_3b_gpu", 3_754_622_976), ("qwen2_5_vl_7b_gpu", 8_292_166_656)):
         assert model_shape(load_recipe(RECIPES / f"{name}.yaml")).parameters == total
+    qwen3 = (("Qwen/Qwen3-VL-4B-Instruct", 4_437_815_808), ("Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696))
+    for hub_id, total in qwen3:  # published totals
+        recipe = load_recipe(None, ["model.family=qwen3_vl", f"model.path={hub_id}"])
+        assert model_shape(recipe).parameters == total, hub_id
     nemotron = model_shape(load_recipe(RECIPES / "nemotron_nano_omni_gpu.yaml"))
     assert nemotron.language_parameters == 31_577_940_288  # Nemotron 3 Nano: 31.6 B published
     assert (nemotron.num_attention_heads, nemotron.num_key_value_heads, nemotron.num_layers) == (32, 2, 52)

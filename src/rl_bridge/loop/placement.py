@@ -354,6 +354,58 @@ KNOWN_CHECKPOINTS: dict[str, dict[str, Any]] = {
             "in_chans": 3,
         },
     },
+    "Qwen/Qwen3-VL-4B-Instruct": {
+        "tie_word_embeddings": True,
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "attention_bias": False,
+        },
+        "vision_config": {
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_heads": 16,
+            "out_hidden_size": 2560,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
+    },
+    "Qwen/Qwen3-VL-8B-Instruct": {
+        "tie_word_embeddings": False,
+        "text_config": {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "attention_bias": False,
+        },
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "out_hidden_size": 4096,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+    },
     # The language model is Nemotron 3 Nano 30B-A3B (NemotronH); its config as published.
     "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16": {
         "llm_config": {
@@ -378,9 +430,9 @@ KNOWN_CHECKPOINTS: dict[str, dict[str, Any]] = {
         },
     },
 }
-"""The known checkpoints' ``config.json`` fields (Qwen2.5-VL-3B/7B-Instruct and Nemotron 3 Nano
-Omni as published on the Hugging Face hub), used when ``model.path`` is a hub id without a local
-directory."""
+"""The known checkpoints' ``config.json`` fields (Qwen2.5-VL-3B/7B-Instruct, Qwen3-VL-4B/8B-Instruct
+and Nemotron 3 Nano Omni as published on the Hugging Face hub), used when ``model.path`` is a hub
+id without a local directory."""
 
 
 def _shape_from_config(family: str, config: Mapping[str, Any], source: str) -> ModelShape:
@@ -396,7 +448,7 @@ _TINY_SOURCE = "the tiny model's spec, model.path: null"
 
 
 def _tiny_config(family: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``config.json`` fields of the tiny ``family`` model with spec ``overrides``, without building it."""
+    """The ``config.json`` fields of the tiny ``family`` model with spec ``overrides`` (not built)."""
     from rl_bridge.tiny_models import FAMILIES
     from rl_bridge.tiny_models.qwen import QWEN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS
 

@@ -80,10 +80,10 @@ def samples(tiny_qwen3vl: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
 
 
 def hf_logprobs(model_dir: Path, samples: list[PolicySample]) -> list[torch.Tensor]:
-    """Reference: transformers' Qwen3-VL, full log-softmax, one sample at a time, 0 off the targets."""
-    from transformers import Qwen3VLForConditionalGeneration
+    """Reference: transformers' Qwen3-VL (dense or MoE), full log-softmax, one sample at a time, 0 off the targets."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for sample in samples:
         input_ids = sample.input_ids[None]
@@ -161,3 +161,35 @@ def test_logprobs_equal_hf_and_a_grpo_step_follows_the_advantages(
     saved = policy.save_hf_checkpoint(tmp_path / "export")
     difference = max_diff(new, hf_logprobs(saved, samples))
     assert difference <= LOGPROB_TOLERANCE, f"max |Megatron - HF(saved)| logprob {difference:.3g}"
+
+
+def test_the_moe_model_builds_without_te_and_matches_hf(
+    megatron_runtime: None, samples: list[PolicySample]
+) -> None:
+    """Qwen3-VL MoE: experts as megatron-core's SequentialMLP, no load-balancing term in the loss."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from rl_bridge.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model("qwen3_vl_moe")  # same tokenizer and processors as the dense one
+    policy = MegatronPolicy(model_dir, PolicyConfig(learning_rate=1e-3, micro_batch_size=2))
+    model = policy.model[0].module
+    experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
+    assert len(experts) == len(model.language_model.decoder.layers) and len(experts[0].local_experts) == 4
+    assert model.config.moe_aux_loss_coeff == 0.0
+    assert all(p.requires_grad for p in model.parameters())  # the MoE provider's freezing undone
+
+    old = policy.logprobs(samples)
+    difference = max_diff(old, hf_logprobs(model_dir, samples))
+    assert difference <= LOGPROB_TOLERANCE, f"max |Megatron - HF| logprob {difference:.3g}"
+    batch = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old, strict=True)]
+    policy.train_step(batch, GRPOPolicyLoss(GRPOLossConfig()))
+    new = policy.logprobs(samples)
+    for sample, o, n in zip(samples, old, new, strict=True):
+        change = (n - o)[sample.target_mask].sum().item()
+        assert math.copysign(1.0, change) == math.copysign(1.0, sample.advantage), change
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", framework="pt") as source:
+        shapes = {name: tuple(source.get_slice(name).get_shape()) for name in source.keys()}  # noqa: SIM118
+    assert {name: tuple(t.shape) for name, t in policy.export_hf_weights()} == shapes

@@ -1,4 +1,4 @@
-"""Qwen3-VL through Megatron-Bridge without Transformer Engine.
+"""Qwen3-VL (dense and MoE) through Megatron-Bridge without Transformer Engine.
 
 Megatron-Bridge 0.6.2 has Qwen3-VL (``Qwen3VLBridge``, ``modelling_qwen3_vl``): a megatron-core
 language model with DeepStack (vision features of early vision blocks added into the first text
@@ -29,6 +29,10 @@ and probabilities: gigabytes per layer at video lengths. The language layers bui
 the same causal attention with ``scaled_dot_product_attention`` instead (flash or memory-efficient
 kernels on GPUs); the fallback stays for the query-shorter-than-key case it also serves.
 
+Qwen3-VL MoE builds the same way, its experts as megatron-core's ``SequentialMLP`` (no grouped
+GEMM, which needs TE): correct, and slow at real expert counts (one GEMM per expert); that, and
+expert parallelism over it, is what stands between this and a 30B-A3B run without TE.
+
 One correction to the model itself: Megatron-Bridge's patch mergers (the final merger and the
 DeepStack mergers) apply the vision blocks' tanh-approximated GELU, where HF transformers and vLLM
 apply the exact GELU (``nn.GELU()``). With random weights that alone moves the logits by about
@@ -52,7 +56,7 @@ from rl_bridge.megatron.te_standin import import_megatron_bridge
 
 __all__ = ["QWEN3_VL_ARCHITECTURES", "provide_without_te", "use_local_layers"]
 
-QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def _vision_layer_spec() -> Any:
@@ -109,11 +113,6 @@ def provide_without_te(
     """
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 
-    if getattr(provider, "num_moe_experts", None):
-        raise NotImplementedError(
-            f"provide_without_te: Qwen3-VL MoE ({provider.num_moe_experts} experts) needs Transformer "
-            "Engine's grouped GEMM in Megatron-Bridge 0.6.2; only dense Qwen3-VL builds without it"
-        )
     if provider.sequence_parallel:
         raise ValueError("provide_without_te: sequence parallelism needs Transformer Engine's norms")
     spec = provider.transformer_layer_spec
@@ -174,5 +173,25 @@ def _sdpa_causal_language_attention(model: Any) -> None:
 
 
 def use_local_layers(provider: Any) -> None:
-    """Make ``provider`` (a ``Qwen3VLModelProvider``) build with :func:`provide_without_te`."""
+    """Make ``provider`` (a ``Qwen3VLModelProvider`` or ``Qwen3VLMoEModelProvider``, not yet
+    finalised) build with :func:`provide_without_te`.
+
+    For MoE it also turns off what needs TE in the expert layers: grouped GEMM (the local spec then
+    builds megatron-core's ``SequentialMLP``, one MLP per local expert, which Megatron-Bridge maps to
+    the HF experts like the grouped layout), the fused permutation and Apex's persistent norms, and
+    the router's load-balancing loss (coefficient 0: the loss is the documented GRPO objective).
+    And it trains the language model and vision tower: the MoE provider freezes both by default,
+    the build's ``freeze_*`` arguments decide instead.
+    """
     provider.provide = types.MethodType(provide_without_te, provider)
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+        if not torch.cuda.is_available():
+            # The all-to-all dispatcher creates a CUDA stream at construction; all-gather routes
+            # the same tokens to the same experts without one.
+            provider.moe_token_dispatcher_type = "allgather"
+        # The GRPO objective as documented: no load-balancing term is added to its gradient.
+        provider.moe_aux_loss_coeff = 0.0
+    provider.persist_layer_norm = False  # Apex's persistent LayerNorm kernel; torch norms here
+    provider.freeze_language_model = False

@@ -26,9 +26,13 @@ from vllm_video_plugin.sampling import FrameSample, qwen2_5_seconds_per_temporal
 
 __all__ = ["QWEN_FAMILIES", "QwenVLProcessor", "qwen_contract"]
 
-QWEN_FAMILIES: Final[dict[str, ProcessorFamily]] = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
+QWEN_FAMILIES: Final[dict[str, ProcessorFamily]] = {
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",  # the same vision tower and processors as dense Qwen3-VL
+}
 """Checkpoint ``model_type`` -> processor family."""
-_STYLES: Final = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl"}
+_STYLES: Final = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:

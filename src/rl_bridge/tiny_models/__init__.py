@@ -11,8 +11,9 @@ calls return at once::
     model_dir = build_tiny_model("qwen2_5_vl")                  # defaults of Qwen25VLSpec
     wide_dir = build_tiny_model("qwen2_5_vl", text_intermediate_size=1024, seed=3)
 
-Families: ``qwen2_5_vl`` (HF transformers, vLLM, Megatron-Bridge), ``qwen3_vl`` (HF, vLLM) and
-``nemotron_vl`` (vLLM only, config without weights: serve it with ``--load-format dummy``).
+Families: ``qwen2_5_vl`` and ``qwen3_vl`` (HF transformers, vLLM, Megatron-Bridge),
+``qwen3_vl_moe`` (HF, Megatron-Bridge) and ``nemotron_vl`` (vLLM only, config without weights:
+serve it with ``--load-format dummy``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 
 from rl_bridge.tiny_models.builder import MANIFEST_NAME, TinyModelSpec, build_from_spec, cache_key
 from rl_bridge.tiny_models.nemotron import NemotronVLSpec
-from rl_bridge.tiny_models.qwen import Qwen3VLSpec, Qwen25VLSpec
+from rl_bridge.tiny_models.qwen import Qwen3VLMoeSpec, Qwen3VLSpec, Qwen25VLSpec
 
 __all__ = [
     "FAMILIES",
     "MANIFEST_NAME",
     "NemotronVLSpec",
+    "Qwen3VLMoeSpec",
     "Qwen3VLSpec",
     "Qwen25VLSpec",
     "TinyModelSpec",
@@ -38,7 +40,7 @@ __all__ = [
 
 #: Spec class of every family, by the name :func:`build_tiny_model` accepts.
 FAMILIES: dict[str, type[TinyModelSpec]] = {
-    spec.family: spec for spec in (Qwen25VLSpec, Qwen3VLSpec, NemotronVLSpec)
+    spec.family: spec for spec in (Qwen25VLSpec, Qwen3VLSpec, Qwen3VLMoeSpec, NemotronVLSpec)
 }
 
 

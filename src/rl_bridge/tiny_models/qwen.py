@@ -1,4 +1,4 @@
-"""Tiny Qwen2.5-VL and Qwen3-VL checkpoints: random weights, real architecture, small everything.
+"""Tiny Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints: random weights, real architecture, small everything.
 
 Both families share the Qwen special tokens and the ChatML layout of their chat templates; they
 differ in the vision tower (Qwen3-VL: patch 16, learned position embeddings, deepstack) and in
@@ -26,7 +26,7 @@ from transformers import (
 from rl_bridge.tiny_models.builder import TinyModelSpec
 from rl_bridge.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
-__all__ = ["QWEN_ADDED_TOKENS", "QWEN_SPECIAL_TOKENS", "Qwen3VLSpec", "Qwen25VLSpec"]
+__all__ = ["QWEN_ADDED_TOKENS", "QWEN_SPECIAL_TOKENS", "Qwen3VLMoeSpec", "Qwen3VLSpec", "Qwen25VLSpec"]
 
 #: Special tokens of the Qwen2-VL family, in the order of their ids in the released tokenizers.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -110,13 +110,16 @@ class _QwenVLSpec(TinyModelSpec):
             )
         return self
 
+    #: The chat template under ``chat_templates/`` when it is not the family's name.
+    template_family: ClassVar[str | None] = None
+
     # -- shared writing steps -------------------------------------------------------------------
 
     def _tokenizer(self) -> PreTrainedTokenizerFast:
         return build_tokenizer(
             bpe_vocab_size=self.bpe_vocab_size,
             special_tokens=QWEN_SPECIAL_TOKENS,
-            chat_template=load_chat_template(self.family),
+            chat_template=load_chat_template(self.template_family or self.family),
             roles=_ROLES,
             extra_special_tokens=_NAMED_TOKENS,
             added_tokens=QWEN_ADDED_TOKENS,
@@ -276,7 +279,7 @@ class Qwen25VLSpec(_QwenVLSpec):
 class Qwen3VLSpec(_QwenVLSpec):
     """Tiny Qwen3-VL (``Qwen3VLForConditionalGeneration``): patch 16, deepstack, interleaved M-RoPE.
 
-    Loads in HF transformers and vLLM (Megatron-Bridge's Qwen3-VL path needs Transformer Engine).
+    Loads in HF transformers, vLLM and Megatron-Bridge (through :mod:`rl_bridge.megatron.qwen3_vl`).
     """
 
     family: ClassVar[str] = "qwen3_vl"
@@ -311,20 +314,22 @@ class Qwen3VLSpec(_QwenVLSpec):
             raise ValueError(f"deepstack_visual_indexes {bad} outside the {self.vision_depth} vision blocks")
         return self
 
+    def _model_classes(self) -> tuple[type[PreTrainedConfig], type[PreTrainedModel], dict[str, object]]:
+        """The HF config and model classes, and text config fields beyond the dense ones."""
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        return Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}
+
     def write(self, out_dir: Path, *, seed: int) -> None:
-        from transformers import (
-            Qwen2VLImageProcessor,
-            Qwen3VLConfig,
-            Qwen3VLForConditionalGeneration,
-            Qwen3VLProcessor,
-            Qwen3VLVideoProcessor,
-        )
+        from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
         tokenizer = self._tokenizer()
-        config = Qwen3VLConfig(
-            architectures=["Qwen3VLForConditionalGeneration"],
+        config_cls, model_cls, text_extra = self._model_classes()
+        config = config_cls(
+            architectures=[model_cls.__name__],
             text_config=self._text_config(
                 tokenizer,
+                **text_extra,
                 head_dim=self.text_head_dim,
                 rope_parameters={
                     "rope_type": "default",
@@ -362,7 +367,40 @@ class Qwen3VLSpec(_QwenVLSpec):
             out_dir,
             seed=seed,
             config=config,
-            model_cls=Qwen3VLForConditionalGeneration,
+            model_cls=model_cls,
             tokenizer=tokenizer,
             processor=processor,
         )
+
+
+class Qwen3VLMoeSpec(Qwen3VLSpec):
+    """Tiny Qwen3-VL MoE (``Qwen3VLMoeForConditionalGeneration``): :class:`Qwen3VLSpec` with every
+    text layer's MLP a mixture of ``num_experts`` routed experts, ``experts_per_token`` per token."""
+
+    family: ClassVar[str] = "qwen3_vl_moe"
+    template_family: ClassVar[str | None] = "qwen3_vl"
+    builder_version: ClassVar[int] = 1
+
+    num_experts: PositiveInt = 4
+    experts_per_token: PositiveInt = 2
+    moe_intermediate_size: PositiveInt = Field(64, description="Hidden size of each expert's MLP.")
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> Qwen3VLMoeSpec:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}"
+            )
+        return self
+
+    def _model_classes(self) -> tuple[type[PreTrainedConfig], type[PreTrainedModel], dict[str, object]]:
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+        experts = {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        return Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, experts

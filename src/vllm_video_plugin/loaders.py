@@ -36,6 +36,16 @@ The returned metadata holds exactly the keys vLLM's own loaders return (``total_
 Qwen2.5-VL and Qwen3-VL build ``transformers.VideoMetadata`` from all of them but
 ``do_sample_frames`` and fail on any other key; Nemotron Nano VL reads ``fps`` and
 ``frames_indices`` and ignores the rest.
+
+For the Nemotron styles (``uniform``, ``nemotron_rounded``) an encoded video's metadata also holds
+``original_video_bytes``, the input itself, as vLLM's ``nemotron_vl`` loader returns it for every
+Nemotron Nano VL V2 / Omni video: with ``use_audio_in_video`` set server-wide
+(``--mm-processor-kwargs``), vLLM's Nemotron processor decodes the video's audio track from those
+bytes (``load_audio_pyav``) and fails the request without them. The bytes are the input the loader
+already accepted under ``max_input_bytes``, so they are bounded by it; frame manifests and bundles
+carry none (their frames have no audio track). The block key ``keep_video_bytes`` overrides the
+default: ``false`` drops them (a non-Nemotron model served with the ``uniform`` style whose processor
+would refuse the key), ``true`` with a Qwen style is refused (Qwen's ``VideoMetadata`` fails on it).
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ from vllm_video_plugin.sampling import FrameSample
 
 __all__ = [
     "DECODE_LIMITS_OPTION",
+    "KEEP_VIDEO_BYTES_OPTION",
+    "VIDEO_BYTES_KEY",
     "MEDIA_ROOT_OPTION",
     "VideoGRPOLoader",
     "hf_video_metadata",
@@ -67,6 +79,32 @@ MEDIA_ROOT_OPTION = "media_root"
 """Key of the media-io ``"video"`` block naming the manifests' media root."""
 DECODE_LIMITS_OPTION = "decode_limits"
 """Key of the media-io ``"video"`` block holding :class:`~vllm_video_plugin.decode.DecodeLimits` fields."""
+KEEP_VIDEO_BYTES_OPTION = "keep_video_bytes"
+"""Key of the media-io ``"video"`` block that overrides whether the metadata carries the source bytes."""
+VIDEO_BYTES_KEY = "original_video_bytes"
+"""Metadata key of an encoded video's source bytes (vLLM's ``nemotron_vl`` loader's name for it)."""
+
+# Styles whose models' processors take the source bytes (Nemotron Nano VL V2 / Omni).
+_BYTES_STYLES = frozenset({"uniform", "nemotron_rounded"})
+
+
+def _keeps_video_bytes(contract: VideoSamplingContract, option: Any) -> bool:
+    """Whether an encoded video's metadata carries its bytes (see the module docstring).
+
+    Raises:
+        ValueError: ``option`` is not a boolean or ``None``, or is ``True`` for a Qwen style.
+    """
+    if option is not None and not isinstance(option, bool):
+        raise ValueError(f"{KEEP_VIDEO_BYTES_OPTION}={option!r} is not a boolean")
+    if option is None:
+        return contract.style in _BYTES_STYLES
+    if option and contract.style not in _BYTES_STYLES:
+        raise ValueError(
+            f"{KEEP_VIDEO_BYTES_OPTION}=true with style {contract.style!r}: that style's models build "
+            f"transformers.VideoMetadata from the metadata, which fails on {VIDEO_BYTES_KEY!r}; only "
+            f"the styles {sorted(_BYTES_STYLES)} (Nemotron) carry the source bytes"
+        )
+    return option
 
 
 def resolve_media_root(option: str | os.PathLike[str] | None) -> Path | None:
@@ -114,6 +152,7 @@ class VideoGRPOLoader(VideoLoader):
         num_frames: int = -1,
         media_root: str | None = None,
         decode_limits: dict[str, Any] | None = None,
+        keep_video_bytes: bool | None = None,
         **kwargs: Any,
     ) -> tuple[NDArray[np.uint8], dict[str, Any]]:
         """Frames and metadata of one video.
@@ -125,14 +164,17 @@ class VideoGRPOLoader(VideoLoader):
                 :func:`resolve_media_root`).
             decode_limits: :class:`~vllm_video_plugin.decode.DecodeLimits` fields (``None``: the
                 defaults); ``max_input_bytes`` also bounds a manifest or bundle plus its frames.
+            keep_video_bytes: whether an encoded video's metadata carries ``data`` as
+                :data:`VIDEO_BYTES_KEY`; ``None``: for the Nemotron styles only.
             **kwargs: the other keys of the media-io ``"video"`` block: the contract's fields.
 
         Returns:
             ``(frames, metadata)``: read-only RGB frames ``(N, H, W, 3)`` uint8 (shared with the
-            decode cache) and :func:`hf_video_metadata`.
+            decode cache) and :func:`hf_video_metadata` (plus :data:`VIDEO_BYTES_KEY` as above).
 
         Raises:
-            ValueError: an invalid contract or decode limit (unknown key named), or
+            ValueError: an invalid contract, decode limit (unknown key named) or
+                ``keep_video_bytes``, or
                 :class:`~vllm_video_plugin.errors.VideoDecodeError`,
                 :class:`~vllm_video_plugin.errors.VideoSamplingError`,
                 :class:`~vllm_video_plugin.manifest.ManifestError` (all ``ValueError``: vLLM
@@ -140,6 +182,7 @@ class VideoGRPOLoader(VideoLoader):
         """
         contract = VideoSamplingContract.from_media_io_kwargs({"num_frames": num_frames, **kwargs})
         limits = DecodeLimits.from_mapping(decode_limits or {})
+        keep_bytes = _keeps_video_bytes(contract, keep_video_bytes)
         if sniff_media(data) == "video":
             if len(data) > limits.max_input_bytes:
                 # Checked before the cache too: a cached decode skips the decoder's own checks.
@@ -149,7 +192,10 @@ class VideoGRPOLoader(VideoLoader):
                 )
             batch = shared_decode_cache().get_or_decode(data, contract, limits=limits)
             assert batch.sample is not None  # decoded by contract
-            return batch.data, hf_video_metadata(batch.sample)
+            metadata = hf_video_metadata(batch.sample)
+            if keep_bytes:
+                metadata[VIDEO_BYTES_KEY] = data  # within max_input_bytes, checked above
+            return batch.data, metadata
         frames = load_manifest_frames(
             data, contract, media_root=resolve_media_root(media_root), limits=limits
         )

@@ -32,7 +32,7 @@ from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.vllm import NEMOTRON_NUM_FRAMES
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames
-from vllm_video_plugin.loaders import VideoGRPOLoader, resolve_media_root
+from vllm_video_plugin.loaders import VIDEO_BYTES_KEY, VideoGRPOLoader, resolve_media_root
 from vllm_video_plugin.manifest import MANIFEST_FORMAT, MEDIA_ROOT_ENV, ManifestError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -112,8 +112,12 @@ def test_loader_returns_the_stock_frames_and_metadata(
     del block["video_backend"]  # vLLM pops it before calling the loader
     frames, metadata = VIDEO_LOADER_REGISTRY.load(VIDEO_LOADER_NAME).load_bytes(data, **block)
     np.testing.assert_array_equal(frames, stock_frames)
+    # The Nemotron styles keep the source bytes (vLLM's Nemotron processor reads a video's audio
+    # track from them), as nemotron_vl does; opencv does not, and nothing else differs.
+    kept = metadata.pop(VIDEO_BYTES_KEY, None)
+    assert kept == (data if contract.style == "uniform" else None)
+    assert stock_metadata.pop(VIDEO_BYTES_KEY, None) == (data if stock == "nemotron_vl" else None)
     assert set(metadata) == METADATA_KEYS
-    stock_metadata.pop("original_video_bytes", None)  # nemotron_vl keeps the bytes for audio
     assert {**metadata, "video_backend": None} == {**stock_metadata, "video_backend": None}
     # The manifest of the decoded frames gives the same again.
     manifest_frames, manifest_metadata = VideoGRPOLoader.load_bytes(

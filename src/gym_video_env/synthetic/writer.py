@@ -146,6 +146,20 @@ def _timestamps(
     return Fraction(1, VFR_CLOCK_HZ), ticks
 
 
+def _write_audio(
+    output: av.container.OutputContainer, stream: av.AudioStream, samples: NDArray[np.float32], rate: int
+) -> None:
+    """Encode mono ``samples`` into ``stream`` of ``output`` (the muxer interleaves the streams)."""
+    size = stream.codec_context.frame_size or 1024
+    for start in range(0, samples.size, size):
+        frame = av.AudioFrame.from_ndarray(samples[None, start : start + size], format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = rate, start
+        for packet in stream.encode(frame):
+            output.mux(packet)
+    for packet in stream.encode(None):
+        output.mux(packet)
+
+
 def write_video(
     path: str | os.PathLike[str],
     frames: NDArray[np.uint8] | Sequence[NDArray[np.uint8]],
@@ -161,6 +175,8 @@ def write_video(
     rotation_degrees: int = 0,
     odd_size: OddSize = "exact",
     options: Mapping[str, str] | None = None,
+    audio: NDArray[np.floating] | None = None,
+    audio_rate: int = 16000,
 ) -> WrittenVideo:
     """Encode RGB frames into a video file.
 
@@ -191,6 +207,9 @@ def write_video(
             ``"pad"`` repeats the last row/column, ``"crop"`` drops it.
         options: extra encoder options (FFmpeg ``AVOption`` names to string values); they override
             the ones this function sets (``crf``, and the scene-cut settings that ``gop`` adds).
+        audio: a mono audio track, samples in ``[-1, 1]``, muxed next to the video as AAC (what
+            audio-in-video models read back); ``None`` writes video only.
+        audio_rate: sample rate of ``audio``, Hz.
 
     Raises:
         ValueError: invalid frames, timestamps or settings, or the encoder/muxer refused them.
@@ -207,6 +226,12 @@ def write_video(
     if bit_rate is not None and bit_rate <= 0:
         raise ValueError(f"bit_rate must be positive bits per second, got {bit_rate}")
     time_base, pts = _timestamps(len(arrays), rate, pts_seconds)
+    if audio is not None:
+        audio = np.asarray(audio, dtype=np.float32)
+        if audio.ndim != 1 or audio.size == 0:
+            raise ValueError(f"audio must be a non-empty 1-D array of mono samples, got shape {audio.shape}")
+        if audio_rate <= 0:
+            raise ValueError(f"audio_rate must be positive, got {audio_rate}")
 
     name = codec or default_codec()
     try:
@@ -252,6 +277,8 @@ def write_video(
             if rotation_degrees:
                 stream.set_display_rotation(rotation_degrees)
             muxer = output.format.name
+            # Every stream must exist before the first packet is muxed (the header is written then).
+            audio_stream = None if audio is None else output.add_stream("aac", rate=audio_rate, layout="mono")
 
             def mux(packets: list[av.Packet]) -> None:
                 for packet in packets:
@@ -264,6 +291,8 @@ def write_video(
                 frame.pts, frame.time_base = tick, time_base
                 mux(stream.encode(frame))
             mux(stream.encode(None))  # flush the encoder's delayed packets
+            if audio is not None and audio_stream is not None:
+                _write_audio(output, audio_stream, audio, audio_rate)
     except BaseException as error:
         out_path.unlink(missing_ok=True)
         if isinstance(error, av.error.FFmpegError):

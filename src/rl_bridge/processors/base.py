@@ -25,7 +25,7 @@ __all__ = ["MediaProcessingError", "MediaProcessor", "ProcessedMedia", "Processo
 ProcessorFamily = Literal["qwen2_5_vl", "qwen3_vl", "nemotron_vl"]
 """Model families with a policy-side processor (the checkpoint's ``model_type``, normalised)."""
 
-_KINDS: Final = ("video", "image")
+_KINDS: Final = ("video", "image", "audio")
 
 
 class MediaProcessingError(ValueError):
@@ -49,7 +49,8 @@ class ProcessedMedia:
     this one object. Its tensors must not be modified in place.
     """
 
-    kind: Literal["video", "image"]
+    kind: Literal["video", "image", "audio"]
+    """``"audio"``: a video's own audio track (Nemotron Omni with ``use_audio_in_video``)."""
     tensors: Mapping[str, torch.Tensor]
     """Model keyword arguments of this item alone, each with the item on dim 0 (patch rows, frames,
     or one row of a grid), so that a batch's items concatenate along dim 0 per key, in prompt
@@ -113,3 +114,13 @@ class MediaProcessor(ABC):
         Raises:
             MediaProcessingError: the family's policy takes no images.
         """
+
+    def process_video_audio(self, data: bytes, *, source: str) -> ProcessedMedia | None:
+        """The audio features of an encoded video's own track, as vLLM's processor computes them
+        when the video is shown with its audio (``use_audio_in_video``); ``None`` when vLLM would
+        show the video without audio (no audio track). ``source`` names the video in errors.
+
+        Raises:
+            MediaProcessingError: the family's policy hears no audio (the default).
+        """
+        raise MediaProcessingError(source, f"{self.family} policies take no audio")

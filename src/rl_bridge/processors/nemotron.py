@@ -17,10 +17,20 @@ module reproduces its video path bit for bit, without importing vLLM:
 Tensors follow Megatron-Bridge's Nemotron Omni model inputs: ``pixel_values`` ``[N, 3, H, W]``,
 ``imgs_sizes`` ``[N, 2]`` int32 (height, width) and ``num_frames`` ``[1]`` int32. Geometry is read
 from the checkpoint config as vLLM reads it (``AutoConfig`` with the checkpoint's remote code).
+
+Audio in video (Omni checkpoints, those with a ``sound_config``): when vLLM serves a video with
+``use_audio_in_video``, its Nemotron processor decodes the track from the bytes the loader kept
+(``original_video_bytes``) and turns it into Parakeet log-mel features. Those steps are not
+reimplemented here: :meth:`NemotronVLProcessor.process_video_audio` calls the same vLLM functions
+in the same order (``load_audio_pyav`` under ``VLLM_MAX_AUDIO_DECODE_DURATION_S``, the multimodal
+data parser's resampling to the sound config's rate and mono, ``ParakeetExtractor``), so the policy
+hears what vLLM heard. This imports vLLM (installed with the trainer).
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -34,7 +44,13 @@ from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.geometry import check_geometry, vision_geometry
 from vllm_video_plugin.sampling import FrameSample
 
-__all__ = ["NemotronVLProcessor", "nemotron_pixels", "video_frame_size"]
+__all__ = ["AUDIO_CONTEXT_TOKEN", "NemotronVLProcessor", "nemotron_pixels", "video_frame_size"]
+
+#: The placeholder each audio feature replaces (vLLM's ``AUDIO_CONTEXT``), between ``<so_start>``
+#: and ``<so_end>``.
+AUDIO_CONTEXT_TOKEN = "<so_embedding>"
+
+_LOG = logging.getLogger(__name__)
 
 
 def video_frame_size(
@@ -139,10 +155,28 @@ class NemotronVLProcessor(MediaProcessor):
         self.std = torch.Tensor(config.norm_std).reshape(1, 3, 1, 1)
         self.dtype = dtype if dtype is not None else _dtype(getattr(config, "dtype", None))
         self.image_token_id = int(config.img_context_token_id)
+        self.directory = directory
+        self.sound_config = getattr(config, "sound_config", None)
+        """The checkpoint's audio encoder settings (``None``: no audio, a VL rather than Omni model)."""
+        self.audio_token_id: int | None = None
+        self._audio_extractor: Any = None
+        if self.sound_config is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+            token_id = tokenizer.convert_tokens_to_ids(AUDIO_CONTEXT_TOKEN)
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(
+                    f"{directory}: the config has a sound_config but the tokenizer has no "
+                    f"{AUDIO_CONTEXT_TOKEN} token for the audio features"
+                )
+            self.audio_token_id = token_id
 
     @property
     def placeholder_token_ids(self) -> frozenset[int]:
-        return frozenset({self.image_token_id})
+        if self.audio_token_id is None:
+            return frozenset({self.image_token_id})
+        return frozenset({self.image_token_id, self.audio_token_id})
 
     def frame_size(self, width: int, height: int) -> tuple[int, int]:
         """``(width, height)`` in pixels that a ``width`` x ``height`` video frame is resized to."""
@@ -170,6 +204,63 @@ class NemotronVLProcessor(MediaProcessor):
             "num_frames": torch.tensor([count], dtype=torch.int32),
         }
         return ProcessedMedia("video", tensors, self.image_token_id, (tokens,) * tubelets)
+
+    def process_video_audio(self, data: bytes, *, source: str) -> ProcessedMedia | None:
+        """The audio features of the encoded video ``data``'s own track, computed by the vLLM code
+        its Nemotron processor runs with ``use_audio_in_video``
+        (``NanoNemotronVLMultiModalProcessor._extract_audio_from_videos``, the data parser, and
+        ``NanoNemotronVLProcessor._preprocess_audio``).
+
+        Returns:
+            ``None`` when vLLM finds no usable track (it then shows the video without audio and
+            adds no audio placeholders): no audio stream, undecodable audio, or longer than
+            ``VLLM_MAX_AUDIO_DECODE_DURATION_S``. Otherwise tensors as vLLM's model receives them:
+            ``input_audio_features`` ``[clips, T, mel]`` in :attr:`dtype`, ``feature_attention_mask``
+            ``[clips, T]`` bool, ``audio_num_clips`` ``[1]``; one run of :attr:`audio_token_id`.
+
+        Raises:
+            MediaProcessingError: the checkpoint has no ``sound_config`` (no audio encoder).
+        """
+        if self.sound_config is None or self.audio_token_id is None:
+            raise MediaProcessingError(
+                source, f"{self.directory} has no sound_config: the policy hears no audio (not an Omni model)"
+            )
+        from vllm import envs
+        from vllm.multimodal.media.audio import load_audio_pyav
+        from vllm.multimodal.parse import AudioProcessorItems
+
+        try:
+            decoded = load_audio_pyav(io.BytesIO(data), max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S)
+        except Exception as error:  # vLLM treats any failure as "no audio stream"
+            _LOG.debug("%s: no audio track taken (%s), as vLLM skips it", source, error)
+            return None
+        items = self._audio_parser().parse_mm_data({"audio": [decoded]})
+        audio = items.get_items("audio", AudioProcessorItems).get(0)
+        extractor = self._extractor()
+        features = extractor([audio])
+        tensors = {
+            # vLLM casts the processor's floating outputs to the model dtype (the pixels' dtype).
+            "input_audio_features": features["input_audio_features"].to(dtype=self.dtype),
+            "feature_attention_mask": features["feature_attention_mask"],
+            "audio_num_clips": torch.tensor(features["audio_num_clips"], dtype=torch.int64),
+        }
+        tokens = extractor.audio_token_count(len(audio))
+        return ProcessedMedia("audio", tensors, self.audio_token_id, (tokens,))
+
+    def _audio_parser(self) -> Any:
+        """vLLM's data parser as its Nemotron processing info builds it for audio: resampling to
+        the sound config's rate (its default resampler) and down to one channel."""
+        from vllm.multimodal.parse import MultiModalDataParser
+
+        return MultiModalDataParser(target_sr=self.sound_config.sampling_rate, target_channels=1)
+
+    def _extractor(self) -> Any:
+        """vLLM's Parakeet feature extractor for the checkpoint's sound config, made once."""
+        if self._audio_extractor is None:
+            from vllm.model_executor.models.parakeet import ParakeetExtractor
+
+            self._audio_extractor = ParakeetExtractor(self.sound_config)
+        return self._audio_extractor
 
     def process_image(self, image: NDArray[np.uint8], *, source: str) -> ProcessedMedia:
         raise MediaProcessingError(

@@ -9,6 +9,11 @@ Nemotron VL media tags, and ``generation_config.json``. Serve it with ``--load-f
 The vision encoder's size is not a knob: vLLM derives it from the timm model name in
 ``vision_config.args["model"]``, and ``vit_small_patch16_224`` (384 wide, 12 blocks) is the
 smallest it knows.
+
+``sound=True`` makes it an Omni-style model: a ``sound_config`` (a tiny Parakeet encoder, 16 kHz
+log-mel features) and the audio tags vLLM's processor looks up (:data:`NEMOTRON_AUDIO_TOKENS`), so
+vLLM builds its sound encoder and serves audio, including a video's own track with
+``use_audio_in_video``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from transformers import GenerationConfig
 from rl_bridge.tiny_models.builder import TinyModelSpec
 from rl_bridge.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
-__all__ = ["NEMOTRON_VL_SPECIAL_TOKENS", "NemotronVLSpec"]
+__all__ = ["NEMOTRON_AUDIO_TOKENS", "NEMOTRON_VL_SPECIAL_TOKENS", "NemotronVLSpec"]
 
 #: Special tokens of the tiny Nemotron VL tokenizer: ChatML turns, reasoning and the media tags
 #: vLLM's Nemotron VL processor looks up (``<img>``, ``</img>``, ``<image>``, ``<video>``).
@@ -45,6 +50,10 @@ NEMOTRON_VL_SPECIAL_TOKENS: tuple[str, ...] = (
     "</box>",
 )
 
+#: Audio tags of the Omni checkpoints (vLLM's ``AUDIO_START``, ``AUDIO_END``, ``AUDIO_CONTEXT``),
+#: added to the tokenizer only when the model has a sound encoder.
+NEMOTRON_AUDIO_TOKENS: tuple[str, ...] = ("<so_start>", "<so_end>", "<so_embedding>")
+
 _REMOTE_CONFIG_MODULE = "configuration_nemotron_vl"
 _REMOTE_CONFIG_CLASS = "NemotronH_Nano_VL_V2_Config"
 _ARCHITECTURE = "NemotronH_Nano_VL_V2"
@@ -54,7 +63,7 @@ class NemotronVLSpec(TinyModelSpec):
     """Knobs of the tiny Nemotron VL. Sizes are element counts unless a name says otherwise."""
 
     family: ClassVar[str] = "nemotron_vl"
-    builder_version: ClassVar[int] = 3
+    builder_version: ClassVar[int] = 4
 
     bpe_vocab_size: PositiveInt = Field(
         384, description="Regular vocabulary (bytes + merges); the 13 special tokens come on top."
@@ -82,6 +91,16 @@ class NemotronVLSpec(TinyModelSpec):
     downsample_ratio: float = Field(0.5, gt=0, le=1, description="Pixel-shuffle factor per side.")
     projector_hidden_size: PositiveInt = 256
     video_temporal_patch_size: PositiveInt = Field(2, description="Frames per video tubelet.")
+    sound: bool = Field(
+        False, description="Add a Parakeet sound encoder (an Omni-style model that hears audio)."
+    )
+    sound_hidden_size: PositiveInt = 64
+    sound_num_layers: PositiveInt = 1
+    sound_num_heads: PositiveInt = 2
+    sound_intermediate_size: PositiveInt = 128
+    sound_conv_channels: PositiveInt = Field(16, description="Channels of the subsampling convolutions.")
+    sound_num_mel_bins: PositiveInt = 80
+    sound_sampling_rate: PositiveInt = Field(16000, description="Rate vLLM resamples audio to, Hz.")
 
     @field_validator("hybrid_override_pattern")
     @classmethod
@@ -109,7 +128,7 @@ class NemotronVLSpec(TinyModelSpec):
         recorded only: there are no weights, vLLM's dummy loader makes them)."""
         tokenizer = build_tokenizer(
             bpe_vocab_size=self.bpe_vocab_size,
-            special_tokens=NEMOTRON_VL_SPECIAL_TOKENS,
+            special_tokens=NEMOTRON_VL_SPECIAL_TOKENS + (NEMOTRON_AUDIO_TOKENS if self.sound else ()),
             chat_template=load_chat_template(self.family),
             roles={"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "</s>", "unk_token": "<unk>"},
             extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
@@ -173,6 +192,25 @@ class NemotronVLSpec(TinyModelSpec):
                 "pad_token_id": ids("</s>"),
             },
         }
+        if self.sound:
+            # Parakeet encoder fields (transformers' ParakeetEncoderConfig) plus what vLLM's
+            # ParakeetConfig adds: the projection into the language model and the sampling rate.
+            config["sound_config"] = {
+                "model_type": "parakeet_encoder",
+                "hidden_size": self.sound_hidden_size,
+                "num_hidden_layers": self.sound_num_layers,
+                "num_attention_heads": self.sound_num_heads,
+                "intermediate_size": self.sound_intermediate_size,
+                "subsampling_conv_channels": self.sound_conv_channels,
+                "subsampling_factor": 8,
+                "subsampling_conv_kernel_size": 3,
+                "subsampling_conv_stride": 2,
+                "conv_kernel_size": 9,
+                "num_mel_bins": self.sound_num_mel_bins,
+                "sampling_rate": self.sound_sampling_rate,
+                "projection_hidden_size": self.projector_hidden_size,
+                "projection_bias": False,
+            }
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

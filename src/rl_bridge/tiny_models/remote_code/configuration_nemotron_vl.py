@@ -4,7 +4,9 @@ This file is copied next to ``config.json`` of tiny Nemotron VL models and impor
 ``AutoConfig.from_pretrained(..., trust_remote_code=True)`` (which vLLM calls); the package never
 imports it. Like the released checkpoints' config class, it nests a ``NemotronHConfig`` as
 ``llm_config`` (vLLM reads it as ``text_config``) and keeps the RADIO vision settings, whose
-encoder size vLLM derives from ``vision_config.args["model"]``.
+encoder size vLLM derives from ``vision_config.args["model"]``. An Omni-style model also has a
+``sound_config`` (the Parakeet audio encoder and its feature extractor's settings), kept as a plain
+``PretrainedConfig`` as vLLM reads it; without one vLLM serves no audio.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class NemotronH_Nano_VL_V2_Config(PretrainedConfig):
         norm_mean: tuple[float, float, float] | list[float] = (0.48145466, 0.4578275, 0.40821073),
         norm_std: tuple[float, float, float] | list[float] = (0.26862954, 0.26130258, 0.27577711),
         img_context_token_id: int | None = None,
+        sound_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.vision_config = PretrainedConfig(**(vision_config or {}))
@@ -51,10 +54,13 @@ class NemotronH_Nano_VL_V2_Config(PretrainedConfig):
         self.norm_mean = list(norm_mean)
         self.norm_std = list(norm_std)
         self.img_context_token_id = img_context_token_id
+        self.sound_config = None if sound_config is None else PretrainedConfig(**sound_config)
         super().__init__(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output["vision_config"] = self.vision_config.to_dict()
         output["llm_config"] = self.llm_config.to_dict()
+        if self.sound_config is not None:
+            output["sound_config"] = self.sound_config.to_dict()
         return output

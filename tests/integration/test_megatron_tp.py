@@ -108,6 +108,21 @@ def test_dp2_with_split_micro_batches_and_a_masked_sample_takes_the_single_proce
     assert report["weights_max_abs_diff"] <= LOGPROB_TOLERANCE, report["weights_max_abs_diff_name"]
 
 
+def test_qwen3_vl_built_without_te_at_tp2_equals_tp1(tmp_path: Path) -> None:
+    """Qwen3-VL's local-layer build (vision tower, DeepStack mergers, language model) split over two
+    ranks: logprobs, the step, the exported weights and a resumed step as at TP = 1."""
+    from rl_bridge.tiny_models import build_tiny_model
+
+    run = _launch_check(tmp_path, build_tiny_model("qwen3_vl", text_num_kv_heads=2))
+    report = run.report
+    assert (report["world_size"], report["tensor_parallel"], report["data_parallel"]) == (2, 2, 1)
+    assert report["logprobs_max_abs_diff"] <= LOGPROB_TOLERANCE
+    assert report["updated_logprobs_max_abs_diff"] <= LOGPROB_TOLERANCE
+    assert report["updated_logprobs_max_change"] > 1e4 * LOGPROB_TOLERANCE
+    assert report["weights_max_abs_diff"] <= LOGPROB_TOLERANCE, report["weights_max_abs_diff_name"]
+    assert report["weights_only_in_parallel"] == report["weights_only_in_reference"] == []
+
+
 def test_tp2_runs_on_two_gloo_ranks_and_its_logprobs_equal_tp1(tp_run: TPRun) -> None:
     report = tp_run.report
     assert (report["world_size"], report["tensor_parallel"], report["data_parallel"]) == (2, 2, 1)

@@ -71,10 +71,12 @@ step at learning rate 1e-3 on the tiny Qwen2.5-VL."""
 
 
 def synthetic_batch(hf_path: Path, *, num_samples: int = 4, seed: int = 0) -> list[PolicySample]:
-    """``num_samples`` deterministic samples for the Qwen2.5-VL checkpoint at ``hf_path``.
+    """``num_samples`` deterministic samples for the Qwen2.5-VL or Qwen3-VL checkpoint at ``hf_path``.
 
     Each is: 12 random text tokens, ``<vision_start>``, the video's placeholders, ``<vision_end>``,
-    6 text tokens, then a response of 8 or 11 tokens (the targets). Even samples hold a video of
+    6 text tokens, then a response of 8 or 11 tokens (the targets). Qwen3-VL writes one
+    ``<t seconds><vision_start>...<vision_end>`` block per temporal patch instead (the timestamp as
+    3 text tokens). Even samples hold a video of
     grid ``(2, 4m, 4m)`` patches, odd ones ``(1, 2m, 3m)`` (``m`` the spatial merge size); advantages
     alternate +1, -1. Text tokens are drawn below the smallest vision special-token id.
 
@@ -86,7 +88,8 @@ def synthetic_batch(hf_path: Path, *, num_samples: int = 4, seed: int = 0) -> li
     config = json.loads((hf_path / "config.json").read_text())
     vision = config["vision_config"]
     merge = int(vision["spatial_merge_size"])
-    channels = int(vision.get("in_chans", 3))
+    channels = int(vision.get("in_chans", vision.get("in_channels", 3)))
+    qwen3 = config["model_type"] in ("qwen3_vl", "qwen3_vl_moe")
     patch_dim = channels * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
     video_token = int(config["video_token_id"])
     specials = [config[name] for name in ("vision_start_token_id", "vision_end_token_id", "image_token_id")]
@@ -101,16 +104,17 @@ def synthetic_batch(hf_path: Path, *, num_samples: int = 4, seed: int = 0) -> li
         grid = (2, 4 * merge, 4 * merge) if index % 2 == 0 else (1, 2 * merge, 3 * merge)
         patches = grid[0] * grid[1] * grid[2]
         placeholders = patches // merge**2
+        runs = (placeholders // grid[0],) * grid[0] if qwen3 else (placeholders,)
         response = text(8 if index % 2 == 0 else 11)
-        prompt = torch.cat(
-            [
-                text(12),
+        blocks = []
+        for run in runs:
+            blocks += [text(3)] if qwen3 else []
+            blocks += [
                 torch.tensor([config["vision_start_token_id"]]),
-                torch.full((placeholders,), video_token),
+                torch.full((run,), video_token),
                 torch.tensor([config["vision_end_token_id"]]),
-                text(6),
             ]
-        )
+        prompt = torch.cat([text(12), *blocks, text(6)])
         input_ids = torch.cat([prompt, response])
         target_mask = torch.zeros(len(input_ids), dtype=torch.bool)
         target_mask[len(prompt) :] = True
@@ -119,10 +123,10 @@ def synthetic_batch(hf_path: Path, *, num_samples: int = 4, seed: int = 0) -> li
             tensors={
                 "pixel_values_videos": torch.randn(patches, patch_dim, generator=generator),
                 "video_grid_thw": torch.tensor([grid]),
-                "second_per_grid_ts": torch.ones(1),
+                **({} if qwen3 else {"second_per_grid_ts": torch.ones(1)}),
             },
             placeholder_token_id=video_token,
-            placeholder_runs=(placeholders,),
+            placeholder_runs=runs,
         )
         samples.append(
             PolicySample(

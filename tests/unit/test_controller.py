@@ -247,6 +247,12 @@ class _RefitClient:
     def update_weight_version(self, version: str) -> None:
         self.calls.append(("stamp", version))
 
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", str(level)))
+
+    def wake_up(self) -> None:
+        self.calls.append(("wake", ""))
+
 
 class _SendingPolicy(_Policy):
     def __init__(self) -> None:
@@ -332,3 +338,25 @@ def test_with_two_servers_a_refit_sends_to_each_and_a_restart_resends_to_the_res
     connect = f"connect video_grpo_gloo {1024**2}"
     assert policy.sync == [connect, "send http://a", connect, "send http://b", connect, "send http://b"]
     assert client.calls == [("refit_with", "step-1")] * 3
+
+
+def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sleeps() -> None:
+    for placement, expected in (("colocated", ["sleep 1", "logprobs", "train", "wake", "refit_with"]), ("split", None)):
+        controller, policy, client = _refitting(f"model.placement={placement}", "train.minibatches=2")
+        events: list[str] = []
+        client.calls = events  # type: ignore[assignment]
+        logprobs, train_step = policy.logprobs, policy.train_step
+        policy.logprobs = lambda batch: events.append(("logprobs", "")) or logprobs(batch)  # type: ignore[method-assign]
+        policy.train_step = lambda *a, **k: events.append(("train", "")) or train_step(*a, **k)  # type: ignore[method-assign]
+        timings: dict[str, float] = {}
+        with controller.sleeping_generation(timings):
+            samples = controller.logprobs([_sample(i) for i in range(4)])
+            controller.train(samples)
+        controller.refit(1)
+        names = [" ".join(part for part in event if part).split(" step")[0] for event in events]
+        names = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]  # one train per minibatch
+        if expected is None:
+            assert "sleep 1" not in names and "wake" not in names and not timings
+        else:
+            assert names == expected
+            assert set(timings) == {"time/sleep_s", "time/wake_s"}

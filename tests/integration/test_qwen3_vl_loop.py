@@ -48,7 +48,8 @@ def test_the_qwen3_vl_run_learns(run: TrainedRun) -> None:
 
 def test_vllm_serving_the_exported_weights_matches_the_policy(run: TrainedRun) -> None:
     served = checkpoint_dir(load_recipe(None, ["model.family=qwen3_vl", f"run_dir={run.run_dir}"]).model)
-    model_bytes = sum(t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values())
+    weights = load_file(str(served / "model.safetensors"))
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     for step in run.steps:
         assert step["refit/bytes"] == model_bytes and step["rollout/ok"] == step["rollout/rows"]
     for step in run.steps[1:]:

@@ -73,14 +73,17 @@ def samples(tiny_qwen3vl: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
         input_ids = torch.cat([prompt["input_ids"][0], torch.tensor(response_ids)])
         target_mask = torch.zeros(len(input_ids), dtype=torch.bool)
         target_mask[len(prompt["input_ids"][0]) :] = True
-        out.append(PolicySample(input_ids=input_ids, target_mask=target_mask, advantage=advantage, media=(video,)))
+        out.append(
+            PolicySample(input_ids=input_ids, target_mask=target_mask, advantage=advantage, media=(video,))
+        )
     assert len({tuple(s.media[0].tensors["video_grid_thw"][0].tolist()) for s in out}) == 2
     assert all(len(s.media[0].placeholder_runs) > 1 for s in out)  # one run per temporal patch
     return out
 
 
 def hf_logprobs(model_dir: Path, samples: list[PolicySample]) -> list[torch.Tensor]:
-    """Reference: transformers' Qwen3-VL (dense or MoE), full log-softmax, one sample at a time, 0 off the targets."""
+    """Reference: transformers' Qwen3-VL (dense or MoE), full log-softmax, one sample at a time,
+    0 off the targets."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -119,7 +122,8 @@ def test_the_model_is_built_from_local_layers(policy: MegatronPolicy) -> None:
     model = policy.model[0].module
     assert isinstance(model, Qwen3VLModel)
     modules = list(model.modules())
-    assert not [type(m).__name__ for m in modules if type(m).__module__.startswith("megatron.core.extensions")]
+    te_modules = [type(m).__name__ for m in modules if type(m).__module__.startswith("megatron.core.extensions")]
+    assert not te_modules
     vision_attention = model.vision_model.decoder.layers[0].self_attention.core_attention
     assert isinstance(vision_attention, SDPADotProductAttention)
     # The language layers' causal attention through SDPA, not the upstream fp32 score matrix.

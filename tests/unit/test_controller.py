@@ -340,23 +340,35 @@ def test_with_two_servers_a_refit_sends_to_each_and_a_restart_resends_to_the_res
     assert client.calls == [("refit_with", "step-1")] * 3
 
 
-def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sleeps() -> None:
-    for placement, expected in (("colocated", ["sleep 1", "logprobs", "train", "wake", "refit_with"]), ("split", None)):
-        controller, policy, client = _refitting(f"model.placement={placement}", "train.minibatches=2")
-        events: list[str] = []
-        client.calls = events  # type: ignore[assignment]
-        logprobs, train_step = policy.logprobs, policy.train_step
-        policy.logprobs = lambda batch: events.append(("logprobs", "")) or logprobs(batch)  # type: ignore[method-assign]
-        policy.train_step = lambda *a, **k: events.append(("train", "")) or train_step(*a, **k)  # type: ignore[method-assign]
-        timings: dict[str, float] = {}
-        with controller.sleeping_generation(timings):
-            samples = controller.logprobs([_sample(i) for i in range(4)])
-            controller.train(samples)
-        controller.refit(1)
-        names = [" ".join(part for part in event if part).split(" step")[0] for event in events]
-        names = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]  # one train per minibatch
-        if expected is None:
-            assert "sleep 1" not in names and "wake" not in names and not timings
-        else:
-            assert names == expected
-            assert set(timings) == {"time/sleep_s", "time/wake_s"}
+class _OrderedPolicy(_SendingPolicy):
+    """A sending policy that logs its logprob and train calls into a shared event list."""
+
+    def __init__(self, events: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.events = events
+
+    def logprobs(self, batch: list[PolicySample]) -> list[torch.Tensor]:
+        self.events.append(("logprobs", ""))
+        return super().logprobs(batch)
+
+    def train_step(self, batch: list[PolicySample], loss_fn: Any, *, return_logprobs: bool = False) -> Any:
+        self.events.append(("train", ""))
+        return super().train_step(batch, loss_fn, return_logprobs=return_logprobs)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sleeps(placement: str) -> None:
+    controller, _, client = _refitting(f"model.placement={placement}", "train.minibatches=2")
+    policy = _OrderedPolicy(client.calls)
+    controller.roles = dataclasses.replace(controller.roles, policy=policy)
+    timings: dict[str, float] = {}
+    with controller.sleeping_generation(timings):
+        controller.train(controller.logprobs([_sample(i) for i in range(4)]))
+    controller.refit(1)
+    steps = [name for name, _ in client.calls]
+    if placement == "split":
+        assert steps == ["logprobs", "train", "train", "refit_with"] and not timings
+    else:
+        assert client.calls[0] == ("sleep", "1")
+        assert steps == ["sleep", "logprobs", "train", "train", "wake", "refit_with"]
+        assert set(timings) == {"time/sleep_s", "time/wake_s"}

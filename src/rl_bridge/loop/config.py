@@ -637,7 +637,9 @@ class Recipe(_Section):
                     "so generation cannot run alongside training"
                 )
             if self.cluster.backend != "local":
-                raise ValueError("model.placement='colocated' runs on the local backend only (cluster.backend)")
+                raise ValueError(
+                    "model.placement='colocated' runs on the local backend only (cluster.backend)"
+                )
             if self.model.policy_gpus and self.refit.transport == "memory":
                 raise ValueError(
                     "model.placement='colocated' on GPUs refits from disk (refit.transport: disk or auto): "

@@ -102,7 +102,10 @@ def _local_vision_modules() -> Iterator[None]:
 
 
 def provide_without_te(
-    provider: Any, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None
+    provider: Any,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
 ) -> Any:
     """``Qwen3VLModelProvider.provide`` with local layers: the same model, no Transformer Engine.
 

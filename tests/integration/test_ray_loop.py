@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -69,9 +68,11 @@ def _alive(pid: int) -> bool:
 def ray_address() -> Iterator[str]:
     """A one-node Ray cluster on loopback (no dashboard, no usage stats); its GCS address.
 
-    The cluster uses token authentication with a token of its own (not the user's
-    ``~/.ray/auth_token``); this process gets the same ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH``
-    for the duration of the module, so the run's driver can connect.
+    Authentication is off, explicitly (``RAY_AUTH_MODE=disabled``, for the cluster and this process
+    for the duration of the module), so neither the user's ``~/.ray/auth_token`` nor the order of
+    the tests matters: Ray fixes a process's authentication mode when it is first imported (vLLM's
+    ``ModelConfig`` imports it, e.g. in the Nemotron audio tests), so a token mode set afterwards
+    for this process would not reach the run's driver. The cluster listens on loopback only.
 
     The raylet gives its agent processes about 15 s to start; on a host whose cores are busy with
     other work they can miss that, so where the user may raise priorities (root) the cluster starts
@@ -79,9 +80,7 @@ def ray_address() -> Iterator[str]:
     the raylet's priority).
     """
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-"))  # short: Ray's socket paths must fit 107 bytes
-    token = temp_dir / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    auth = {"RAY_AUTH_MODE": "disabled"}
     saved = {name: os.environ.get(name) for name in auth}
     process: ManagedProcess | None = None
     try:

@@ -30,6 +30,9 @@ class ServiceError(RuntimeError):
 
 # Independent of the run's seeded ``random``: processes seeded alike must not draw alike.
 _PORT_DRAWS = random.SystemRandom()
+# Above Ray's worker ports (10002-19999 by default, which its workers bind as they start) and,
+# on Linux's default range, below the kernel's ephemeral ports.
+_PORT_RANGE = range(20_000, 32_768)
 
 
 def _ephemeral_ports() -> range:
@@ -44,14 +47,15 @@ def _ephemeral_ports() -> range:
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now (loopback by default).
 
-    The port is drawn at random from below the kernel's ephemeral range, so that between this call
-    and the server binding it, no outgoing connection or ``bind(0)`` socket of any process (gloo
-    pairs, HTTP clients) can be given it: with ``bind(0)`` itself, a vLLM server occasionally
-    lost its port to one and failed with "Address already in use".
+    The port is drawn at random from 20000-32767 minus the kernel's ephemeral range, so that
+    between this call and the server binding it, no outgoing connection or ``bind(0)`` socket of
+    any process (gloo pairs, HTTP clients) and no Ray worker can be given it: with ``bind(0)``
+    itself, a vLLM server occasionally lost its port to one and failed with "Address already in
+    use". When none of 64 draws is free, ``bind(0)`` decides.
     """
     ephemeral = _ephemeral_ports()
-    candidates = [p for p in range(10_000, 65_536) if p not in ephemeral]
-    for port in _PORT_DRAWS.sample(candidates, 64):
+    candidates = [p for p in _PORT_RANGE if p not in ephemeral]
+    for port in _PORT_DRAWS.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))

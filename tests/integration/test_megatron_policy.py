@@ -86,10 +86,11 @@ def samples(tiny_qwen25vl: Path, videos: dict[str, Path]) -> list[PolicySample]:
 
 
 def hf_logprobs(model_dir: Path, samples: list[PolicySample]) -> list[torch.Tensor]:
-    """Reference: HF transformers' full log-softmax, one sample at a time, 0 off the targets."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """Reference: HF transformers' full log-softmax, one sample at a time, 0 off the targets (any
+    Qwen-VL checkpoint: the video placeholders are typed for its 3D positions)."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     video_token_id = model.config.video_token_id
     out = []
     for sample in samples:

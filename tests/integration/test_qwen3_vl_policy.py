@@ -23,17 +23,12 @@ from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
 from rl_bridge.processors import load_processor
+from tests.integration.test_megatron_policy import TRAJECTORIES, hf_logprobs, max_diff
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = pytest.mark.integration
 
 LOGPROB_TOLERANCE = 1e-5
-TRAJECTORIES = (
-    ("first", "The colour cycles through six hues.", 1.0),
-    ("second", "Nothing happens", -1.0),
-    ("first", "A barcode counts up", -1.0),
-    ("second", "Red, then yellow, then green.", 1.0),
-)
 
 
 @pytest.fixture(scope="module")
@@ -79,32 +74,6 @@ def samples(tiny_qwen3vl: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
     assert len({tuple(s.media[0].tensors["video_grid_thw"][0].tolist()) for s in out}) == 2
     assert all(len(s.media[0].placeholder_runs) > 1 for s in out)  # one run per temporal patch
     return out
-
-
-def hf_logprobs(model_dir: Path, samples: list[PolicySample]) -> list[torch.Tensor]:
-    """Reference: transformers' Qwen3-VL (dense or MoE), full log-softmax, one sample at a time,
-    0 off the targets."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    for sample in samples:
-        input_ids = sample.input_ids[None]
-        with torch.no_grad():
-            logits = model(
-                input_ids=input_ids,
-                **sample.media[0].tensors,
-                mm_token_type_ids=(input_ids == model.config.video_token_id).long() * 2,
-            ).logits[0]
-        logprobs = torch.zeros(len(sample.input_ids))
-        targets = sample.input_ids[1:, None]
-        logprobs[1:] = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, targets)[:, 0]
-        out.append(torch.where(sample.target_mask, logprobs, 0.0))
-    return out
-
-
-def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -154,9 +154,9 @@ def _exact_gelu_in_mergers(model: Any) -> None:
 def _sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """``Qwen3VLSelfAttention._local_causal_attention`` through SDPA: ``[s, b, heads, d]`` in,
     ``[s, b, heads * d]`` out, causal, grouped-query heads shared."""
-    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
-
     if query.shape[0] != key.shape[0]:
+        from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
+
         return Qwen3VLSelfAttention._local_causal_attention(query, key, value, scale)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     context = F.scaled_dot_product_attention(

@@ -23,4 +23,5 @@ pytest_plugins = [
     "tests.fixtures.gym",
     "tests.fixtures.gym_video",
     "tests.fixtures.bad_inputs",
+    "tests.fixtures.parallel",
 ]

@@ -16,12 +16,13 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ManagedProcess", "ServiceError", "free_port", "wait_for_http"]
+__all__ = ["PORT_RANGE_ENV", "ManagedProcess", "ServiceError", "free_port", "wait_for_http"]
 
 
 class ServiceError(RuntimeError):
@@ -33,6 +34,25 @@ _PORT_DRAWS = random.SystemRandom()
 # Above Ray's worker ports (10002-19999 by default, which its workers bind as they start) and,
 # on Linux's default range, below the kernel's ephemeral ports.
 _PORT_RANGE = range(20_000, 32_768)
+#: ``LOW-HIGH``: the ports :func:`free_port` draws from instead, e.g. one slice per concurrent test
+#: worker, so that processes drawing at once never draw the same port.
+PORT_RANGE_ENV = "VIDEO_GRPO_PORT_RANGE"
+# Ports this process handed out: a port is never handed out twice (two servers launched back to
+# back, neither bound yet, would otherwise be able to get the same one).
+_handed_out: set[int] = set()
+
+
+def _port_range() -> range:
+    spec = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not spec:
+        return _PORT_RANGE
+    try:
+        low, high = (int(v) for v in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LOW-HIGH, e.g. 20000-26383") from None
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected 1024 <= LOW <= HIGH <= 65535")
+    return range(low, high + 1)
 
 
 def _ephemeral_ports() -> range:
@@ -47,20 +67,23 @@ def _ephemeral_ports() -> range:
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now (loopback by default).
 
-    The port is drawn at random from 20000-32767 minus the kernel's ephemeral range, so that
-    between this call and the server binding it, no outgoing connection or ``bind(0)`` socket of
-    any process (gloo pairs, HTTP clients) and no Ray worker can be given it: with ``bind(0)``
-    itself, a vLLM server occasionally lost its port to one and failed with "Address already in
-    use". When none of 64 draws is free, ``bind(0)`` decides.
+    The port is drawn at random from 20000-32767 (or ``$VIDEO_GRPO_PORT_RANGE``) minus the
+    kernel's ephemeral range, so that between this call and the server binding it, no outgoing
+    connection or ``bind(0)`` socket of any process (gloo pairs, HTTP clients) and no Ray worker
+    can be given it: with ``bind(0)`` itself, a vLLM server occasionally lost its port to one and
+    failed with "Address already in use". No port is handed out twice by one process. When none of
+    64 draws is free, ``bind(0)`` decides. :func:`wait_for_http` checks that the server it waits
+    for is the one listening.
     """
     ephemeral = _ephemeral_ports()
-    candidates = [p for p in _PORT_RANGE if p not in ephemeral]
+    candidates = [p for p in _port_range() if p not in ephemeral and p not in _handed_out]
     for port in _PORT_DRAWS.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -76,9 +99,12 @@ def wait_for_http(
 ) -> None:
     """Poll ``url`` until it answers HTTP 200, ``timeout_s`` passes, or ``process`` dies.
 
+    With ``process``, the answer must come from it: a server that lost its port to another
+    process ("Address already in use") while that one answers must not pass for healthy.
+
     Raises:
-        ServiceError: on timeout or when ``process`` exits first; the message includes the
-            tail of the process log.
+        ServiceError: on timeout, when ``process`` exits first, or when another process holds
+            the port; the message includes the tail of the process log.
     """
     deadline = time.monotonic() + timeout_s
     last_error: str = "no attempt"
@@ -90,11 +116,15 @@ def wait_for_http(
             )
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-                last_error = f"HTTP {response.status}"
+                status = response.status
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             last_error = repr(exc)
+        else:
+            if status == 200:
+                if process is not None:
+                    process.check_listening(url)
+                return
+            last_error = f"HTTP {status}"
         time.sleep(interval_s)
     tail = f"\n--- last lines of {process.log_path} ---\n{process.log_tail()}" if process else ""
     raise ServiceError(f"{url} not healthy after {timeout_s:.0f} s (last error: {last_error}).{tail}")
@@ -152,6 +182,27 @@ class ManagedProcess:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def check_listening(self, url: str) -> None:
+        """Raise :class:`ServiceError` unless this process or one it started listens on ``url``'s
+        port (the answer came from another process)."""
+        import psutil
+
+        port = urllib.parse.urlsplit(url).port
+        listening = (c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+        owners = {c.pid for c in listening if c.laddr.port == port}
+        try:
+            root = psutil.Process(self.pid)
+            ours = {self.pid, *(child.pid for child in root.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            ours = set()
+        if owners & ours:
+            return
+        holders = ", ".join(str(pid) for pid in sorted(p for p in owners if p is not None)) or "unknown"
+        raise ServiceError(
+            f"{url} answered, but not from {self.name}: port {port} is held by another process "
+            f"(pid {holders}).\n--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        )
 
     def poll(self) -> int | None:
         """Exit code, or ``None`` while running."""

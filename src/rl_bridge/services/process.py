@@ -22,7 +22,14 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["PORT_RANGE_ENV", "ManagedProcess", "ServiceError", "free_port", "wait_for_http"]
+__all__ = [
+    "DEFAULT_PORT_RANGE",
+    "PORT_RANGE_ENV",
+    "ManagedProcess",
+    "ServiceError",
+    "free_port",
+    "wait_for_http",
+]
 
 
 class ServiceError(RuntimeError):
@@ -31,9 +38,9 @@ class ServiceError(RuntimeError):
 
 # Independent of the run's seeded ``random``: processes seeded alike must not draw alike.
 _PORT_DRAWS = random.SystemRandom()
-# Above Ray's worker ports (10002-19999 by default, which its workers bind as they start) and,
-# on Linux's default range, below the kernel's ephemeral ports.
-_PORT_RANGE = range(20_000, 32_768)
+#: Where :func:`free_port` draws from: above Ray's worker ports (10002-19999 by default, which its
+#: workers bind as they start) and, on Linux's default range, below the kernel's ephemeral ports.
+DEFAULT_PORT_RANGE = range(20_000, 32_768)
 #: ``LOW-HIGH``: the ports :func:`free_port` draws from instead, e.g. one slice per concurrent test
 #: worker, so that processes drawing at once never draw the same port.
 PORT_RANGE_ENV = "VIDEO_GRPO_PORT_RANGE"
@@ -45,7 +52,7 @@ _handed_out: set[int] = set()
 def _port_range() -> range:
     spec = os.environ.get(PORT_RANGE_ENV, "").strip()
     if not spec:
-        return _PORT_RANGE
+        return DEFAULT_PORT_RANGE
     try:
         low, high = (int(v) for v in spec.split("-"))
     except ValueError:

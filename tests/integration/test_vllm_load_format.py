@@ -87,6 +87,7 @@ def config_for(model: Path, media: Path, contract: VideoSamplingContract) -> VLL
         load_format=MODEL_LOADER_NAME,
         allowed_local_media_path=media,
         extra_args=("--model-loader-extra-config", extra),
+        worker_in_engine_process=True,
         startup_timeout_s=600,
     )
 

@@ -23,6 +23,7 @@ from rl_bridge.services.vllm_server import (
     VLLMServer,
     VLLMServerConfig,
     server_argv,
+    server_env,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -159,3 +160,14 @@ def test_server_argv_binds_loopback_and_passes_options(tmp_path: Path) -> None:
     assert argv[-2:] == ["--max-num-seqs", "4"]
     with pytest.raises(ValueError, match="extra_forbidden"):
         VLLMServerConfig(model=tmp_path, host="0.0.0.0")
+
+
+def test_the_worker_runs_in_the_engine_process_only_when_asked_and_alone(tmp_path: Path) -> None:
+    logging_config = tmp_path / "logging.json"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(
+        VLLMServerConfig(model=tmp_path), logging_config_path=logging_config
+    )
+    inside = VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("-tp", "1"))
+    assert server_env(inside, logging_config_path=logging_config)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(ValueError, match="single worker, but extra_args ask for --tensor-parallel-size 2"):
+        VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size", "2"))

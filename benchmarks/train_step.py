@@ -780,14 +780,29 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
             ("megatron", None, 1),
             ("megatron+segment_batched", use_segment_batched_vision_attention, 1),
             ("megatron+segment_batched+fused", lambda _model: fused.update(policy.fuse_kernels()), 1),
+            # Both samples in one packed micro-batch: half the kernel launches (the fused step is bound
+            # by the host's launch rate, not the GPU), at twice the activation memory.
+            ("megatron+segment_batched+fused+mbs2", None, 2),
         ]
+    if args.variants and not full_recompute:
+        unknown = set(args.variants) - {name for name, _, _ in variants}
+        if unknown:
+            raise SystemExit(f"--variants: no Megatron configuration named {sorted(unknown)}")
+        # A configuration's preparation (attention swap, fusion) applies to the policy for good:
+        # the ones before the first selected still run their preparation, not their measurement.
+        last = max(i for i, (name, _, _) in enumerate(variants) if name in args.variants)
+        variants = [(n, p, m, n in args.variants) for n, p, m in variants[: last + 1]]
+    else:
+        variants = [(n, p, m, True) for n, p, m in variants]
     fused: dict[str, int] = {}
     runs = []
-    for name, prepare, micro_batch_size in variants:
+    for name, prepare, micro_batch_size, measured in variants:
         if prepare is not None:
             prepare(policy.model[0])
+        if not measured:
+            continue
         settings = {
-            "fused_kernels": dict(fused) if name.endswith("+fused") else {},
+            "fused_kernels": dict(fused) if "+fused" in name else {},
             "tensor_parallel": args.tensor_parallel,
             "layer_spec": "local_sdpa",
             "vision_attention": (
@@ -949,6 +964,7 @@ def _run_phase(
         "--phase-output",
         str(out),
         *(["--profile"] if args.profile else []),
+        *(["--variants", *args.variants] if args.variants else []),
         *extra,
     ]
     print(f"== {' '.join(command[1:])}", flush=True)
@@ -1150,6 +1166,12 @@ def main() -> None:
         metavar="N",
         help="tensor-parallel sizes to measure the Megatron side at, each under torchrun with N processes "
         "(one per GPU); e.g. '1 2' for one GPU and two. HF always runs on one GPU",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME",
+        help="measure only these Megatron configurations (e.g. megatron+segment_batched+fused); default: all",
     )
     parser.add_argument("--workdir", help="checkpoint and per-phase results; default: a temporary directory")
     parser.add_argument("--phase", choices=("hf", "megatron"), help=argparse.SUPPRESS)

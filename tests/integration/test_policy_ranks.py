@@ -1,5 +1,6 @@
 """The loop's rank launcher on CPU: the policy as two gloo ranks in child processes, data parallel
-with Megatron's distributed optimizer, against one rank on the same batch.
+with Megatron's distributed optimizer, and as two pipeline stages, against one rank on the same
+batch.
 
 :class:`rl_bridge.loop.policy_ranks.LocalPolicyRanks` starts the ranks as ``video-grpo train``
 does for ``model.cpu_policy_ranks=2``, and :class:`~rl_bridge.loop.policy_ranks.RankedPolicy`
@@ -34,16 +35,28 @@ class Launch:
     failure: BaseException
 
 
-def _launch(model: Any, batch: list[Any], ranks: int, *, distributed_optimizer: bool) -> Launch:
+def _launch(
+    model: Any, batch: list[Any], ranks: int, *, distributed_optimizer: bool, pipeline_parallel: int = 1
+) -> Launch:
     from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.loop.placement import PolicyRank
     from rl_bridge.loop.policy_ranks import LocalPolicyRanks, RankedPolicy
     from rl_bridge.megatron.policy import GRPOPolicyLoss, PolicyConfig
 
     config = PolicyConfig(learning_rate=1e-3, micro_batch_size=1, distributed_optimizer=distributed_optimizer)
-    plan_ranks = [PolicyRank(r, None, tensor_rank=0, pipeline_rank=0, data_rank=r, expert_rank=0) for r in range(ranks)]
+    data_parallel = ranks // pipeline_parallel
+    plan_ranks = [
+        PolicyRank(r, None, tensor_rank=0, pipeline_rank=r // data_parallel, data_rank=r % data_parallel, expert_rank=0)
+        for r in range(ranks)
+    ]
     with LocalPolicyRanks(
-        plan_ranks, tensor_parallel=1, seed=0, model_dir=model, config=config, with_reference=False
+        plan_ranks,
+        tensor_parallel=1,
+        pipeline_parallel=pipeline_parallel,
+        seed=0,
+        model_dir=model,
+        config=config,
+        with_reference=False,
     ) as launched:
         policy = RankedPolicy("policy", launched.call, launched.layouts)
         before = policy.logprobs(batch)
@@ -66,6 +79,17 @@ def launches() -> tuple[Launch, Launch]:
         _launch(model, batch, 1, distributed_optimizer=False),
         _launch(model, batch, 2, distributed_optimizer=True),
     )
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> Launch:
+    """The same batch and step on two pipeline stages (the tiny model's two language layers, one
+    each; the vision tower on the first)."""
+    from rl_bridge.megatron.tp_check import synthetic_batch
+    from rl_bridge.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen2_5_vl")
+    return _launch(model, synthetic_batch(model, num_samples=4), 2, distributed_optimizer=False, pipeline_parallel=2)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -106,3 +130,23 @@ def test_a_rank_that_raises_fails_the_call_with_the_rank_named(launches: tuple[L
     _, dp2 = launches
     assert "no_such_method" in str(dp2.failure)
     assert any("raised in policy rank" in note for note in getattr(dp2.failure, "__notes__", []))
+
+
+def test_two_pipeline_stages_take_the_single_rank_step(
+    launches: tuple[Launch, Launch], pipeline: Launch
+) -> None:
+    """The last stage computes logprobs and the loss and hands them to the first; the stages hold
+    the model's parameters between them, once."""
+    single, _ = launches
+    assert [(l.pipeline_parallel, l.pipeline_parallel_rank, l.data_parallel) for l in pipeline.layouts] == [
+        (2, 0, 1),
+        (2, 1, 1),
+    ]
+    assert _max_diff(single.before, pipeline.before) < TOLERANCE
+    assert _max_diff(single.after, pipeline.after) < TOLERANCE
+    assert _max_diff(single.before, single.after) > 100 * TOLERANCE
+    assert pipeline.metrics.loss == pytest.approx(single.metrics.loss, rel=1e-5)
+    assert pipeline.metrics.grad_norm == pytest.approx(single.metrics.grad_norm, rel=1e-5)
+    first, last = pipeline.state
+    assert first["parameters"] + last["parameters"] == single.state[0]["parameters"]
+    assert 0 < last["parameters"] < first["parameters"]  # the vision tower and embedding are first

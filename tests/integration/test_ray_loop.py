@@ -175,7 +175,8 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(
     assert summary["served_weight_version"] == "step-2"
     assert summary["placement"] == {
         "backend": "ray", "vllm_servers": 1, "vllm_tensor_parallel": 1, "policy_ranks": 2,
-        "policy_tensor_parallel": 2, "policy_data_parallel": 1, "distributed_optimizer": False,
+        "policy_tensor_parallel": 2, "policy_pipeline_parallel": 1, "policy_data_parallel": 1,
+        "distributed_optimizer": False,
     }  # fmt: skip
     step2 = next(r for r in history if r["step"] == 2 and "rollout/rows" in r)
     assert step2["refit/weight_version"] == 2.0

@@ -45,6 +45,7 @@ def test_the_run_started_its_plan(run: TrainedRun) -> None:
         "vllm_tensor_parallel": 1,
         "policy_ranks": 2,
         "policy_tensor_parallel": 1,
+        "policy_pipeline_parallel": 1,
         "policy_data_parallel": 2,
         "distributed_optimizer": True,
     }

@@ -138,8 +138,8 @@ class ModelSection(_Section):
     sessions over them. GPU runs set ``vllm_gpus`` and ``vllm_tensor_parallel_size`` instead."""
     cpu_policy_ranks: PositiveInt = 1
     """Megatron ranks of a CPU policy (``policy_gpus: 0``), one process each, joined over gloo:
-    ``policy_tensor_parallel_size`` of them hold one model replica, the replicas are data
-    parallel. GPU runs set ``policy_gpus`` instead."""
+    ``policy_tensor_parallel_size x policy_pipeline_parallel_size`` of them hold one model replica,
+    the replicas are data parallel. GPU runs set ``policy_gpus`` instead."""
     layer_spec: Literal["auto", "transformer_engine", "local", "local_sdpa"] = "auto"
     """The language model's layer implementation (``rl_bridge.megatron.model.LayerSpec``):
     ``transformer_engine`` requires Transformer Engine; ``auto`` uses it when installed."""
@@ -219,16 +219,17 @@ class ModelSection(_Section):
                 "dtype": (self.dtype, "float32"),
                 "layer_spec": (self.layer_spec, "auto"),
                 "vllm_tensor_parallel_size": (self.vllm_tensor_parallel_size, 1),
-                "policy_pipeline_parallel_size": (self.policy_pipeline_parallel_size, 1),
                 "policy_expert_parallel_size": (self.policy_expert_parallel_size, 1),
             }
             changed = [f"model.{name}={value!r}" for name, (value, cpu) in gpu_only.items() if value != cpu]
             if changed:
                 raise ValueError(f"{', '.join(changed)} need GPUs: set model.vllm_gpus and model.policy_gpus")
-            if self.cpu_policy_ranks % self.policy_tensor_parallel_size:
+            model_parallel = self.policy_tensor_parallel_size * self.policy_pipeline_parallel_size
+            if self.cpu_policy_ranks % model_parallel:
                 raise ValueError(
-                    f"model.policy_tensor_parallel_size={self.policy_tensor_parallel_size} does not divide "
-                    f"model.cpu_policy_ranks={self.cpu_policy_ranks}"
+                    f"model.policy_tensor_parallel_size={self.policy_tensor_parallel_size} x "
+                    f"model.policy_pipeline_parallel_size={self.policy_pipeline_parallel_size} does not "
+                    f"divide model.cpu_policy_ranks={self.cpu_policy_ranks}"
                 )
             return self
         cpu_only = {"cpu_vllm_servers": self.cpu_vllm_servers, "cpu_policy_ranks": self.cpu_policy_ranks}

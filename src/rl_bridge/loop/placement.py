@@ -798,7 +798,7 @@ def plan_placement(
     shape = model_shape(recipe)
     b = _DTYPE_BYTES[model.dtype]
     on_gpus = model.num_gpus > 0
-    # Validation keeps every parallel size but the policy's TP at 1 on CPU.
+    # Validation keeps every parallel size but the policy's TP and PP at 1 on CPU.
     tp, pp = model.policy_tensor_parallel_size, model.policy_pipeline_parallel_size
     dp = model.policy_data_parallel_size
     ep, vllm_tp = model.policy_expert_parallel_size, model.vllm_tensor_parallel_size

@@ -1,6 +1,6 @@
 """The policy as one process per Megatron rank, and the driver's handle over the ranks.
 
-A run's placement (:func:`rl_bridge.loop.placement.plan_placement`) gives the policy ``TP x DP``
+A run's placement (:func:`rl_bridge.loop.placement.plan_placement`) gives the policy ``TP x PP x DP``
 ranks. With one rank the local backend builds :class:`~rl_bridge.megatron.policy.MegatronPolicy`
 in the controller's process. With more, every rank is a :class:`PolicyWorker` in a process of its
 own, joined by torch.distributed (gloo on CPU, NCCL on GPUs, each rank on the GPU its plan gives
@@ -13,8 +13,8 @@ Both hand :class:`RankedPolicy` a *transport*: a function that calls one method 
 each rank with its own arguments, and returns the results in rank order. Megatron's methods are
 collective, so every call goes to every rank. A batch is split over the data-parallel replicas
 (:func:`split_for_data_parallel`): each sample goes only to the ranks of the replica that trains
-it (its tensor-parallel ranks all need it). Logprobs come back from each replica's first
-tensor-parallel rank, in batch order.
+it (its tensor- and pipeline-parallel ranks all need it). Logprobs come back from each replica's
+first rank, in batch order (the last pipeline stage computes them and hands them to the others).
 
 A local rank that raises fails the call at once, with the rank named in a note; one that dies
 (its pipe closes) fails it with its exit code. Either way the run is over: the other ranks may be
@@ -79,6 +79,7 @@ class PolicyWorker:
         model_dir: str,
         config: PolicyConfig,
         with_reference: bool,
+        pipeline_parallel: int = 1,
     ) -> ParallelLayout:
         """Join the process group of ``environment`` and build the policy (and the reference).
 
@@ -90,7 +91,12 @@ class PolicyWorker:
 
         with cpu_execution():
             layout = self._stack.enter_context(
-                model_parallel_group(tensor_parallel=tensor_parallel, seed=seed, environment=environment)
+                model_parallel_group(
+                    tensor_parallel=tensor_parallel,
+                    pipeline_parallel=pipeline_parallel,
+                    seed=seed,
+                    environment=environment,
+                )
             )
             self._policies["policy"] = MegatronPolicy(model_dir, config)
             if with_reference:
@@ -169,12 +175,13 @@ class RankedPolicy:
     def _in_batch_order(
         self, shares: Sequence[Sequence[Any]], per_rank: Sequence[list[Any]], total: int
     ) -> list[Any]:
-        """Per-sample results of each replica's first tensor-parallel rank, in batch order (the
-        zero-weight fillers of empty shares dropped)."""
+        """Per-sample results of each replica's first rank (tensor- and pipeline-parallel rank 0;
+        every rank of a replica returns the same), in batch order (the zero-weight fillers of empty
+        shares dropped)."""
         by_replica = {
             layout.data_parallel_rank: result
             for layout, result in zip(self._layouts, per_rank, strict=True)
-            if layout.tensor_parallel_rank == 0
+            if layout.tensor_parallel_rank == 0 and layout.pipeline_parallel_rank == 0
         }
         out: list[Any] = []
         remaining = total
@@ -314,6 +321,7 @@ class LocalPolicyRanks:
         model_dir: str | Path,
         config: PolicyConfig,
         with_reference: bool,
+        pipeline_parallel: int = 1,
         start_timeout_s: float = 600.0,
     ) -> None:
         from rl_bridge.services.process import free_port
@@ -323,6 +331,7 @@ class LocalPolicyRanks:
         threads = max(1, (os.cpu_count() or 1) // len(ranks))
         setup = {
             "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
             "seed": seed,
             "model_dir": str(model_dir),
             "config": config,

@@ -429,6 +429,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
                     master_port=master_port,
                 ),
                 tensor_parallel=plan.tensor_parallel,
+                pipeline_parallel=plan.pipeline_parallel,
                 seed=recipe.seed,
                 model_dir=str(data.model_dir),
                 config=recipe.policy_config(data.token_support(recipe)),

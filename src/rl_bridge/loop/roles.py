@@ -127,13 +127,14 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
 
 def placement_summary(plan: Plan, backend: str) -> dict[str, Any]:
     """The started layout in a few numbers: backend, vLLM servers and their TP size, policy ranks
-    and their TP and DP sizes, whether the optimizer is distributed."""
+    and their TP, PP and DP sizes, whether the optimizer is distributed."""
     return {
         "backend": backend,
         "vllm_servers": len(plan.vllm),
         "vllm_tensor_parallel": plan.vllm[0].tensor_parallel,
         "policy_ranks": len(plan.policy),
         "policy_tensor_parallel": plan.tensor_parallel,
+        "policy_pipeline_parallel": plan.pipeline_parallel,
         "policy_data_parallel": plan.data_parallel,
         "distributed_optimizer": plan.distributed_optimizer,
     }
@@ -245,6 +246,7 @@ def _start_local_policy(
             LocalPolicyRanks(
                 plan.policy,
                 tensor_parallel=plan.tensor_parallel,
+                pipeline_parallel=plan.pipeline_parallel,
                 seed=recipe.seed,
                 model_dir=data.model_dir,
                 config=config,

@@ -11,7 +11,8 @@ ranks:
 
 * :func:`cpu_execution`, held for as long as Megatron code runs:
   ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.current_stream()`` returns
-  the CPU stream (whose event waits are no-ops); Megatron's RNG tracker is the no-op
+  the CPU stream (whose event waits are no-ops) and ``torch.cuda.synchronize()`` the CPU's
+  (the pipeline schedules' point-to-point exchange); Megatron's RNG tracker is the no-op
   inference tracker (dropout then draws from torch's default CPU generator, which is exact for
   tensor-parallel size 1 and for models without dropout, such as Qwen2.5-VL; with TP > 1 every rank
   would draw the same dropout mask where Megatron draws one per rank); and a
@@ -65,6 +66,12 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _cpu_synchronize(device: object = None) -> None:
+    """Replacement for ``torch.cuda.synchronize`` while :func:`cpu_execution` is active (a function of
+    its own: torch.compile keys its handlers by function, and ``torch.cpu.synchronize`` has one)."""
+    torch.cpu.synchronize()
+
+
 def cpu_execution_active() -> bool:
     """Whether :func:`cpu_execution` is applied right now (always ``False`` when CUDA is available)."""
     return torch.cuda.current_device is _cpu_current_device
@@ -108,6 +115,8 @@ def cpu_execution() -> Iterator[bool]:
 
     Inside the block ``torch.cuda.current_device()`` returns ``"cpu"``,
     ``torch.cuda.current_stream()`` returns ``torch.cpu.current_stream()``,
+    ``torch.cuda.synchronize()`` waits for the CPU (the pipeline schedules' point-to-point exchange
+    calls it),
     ``megatron.core.tensor_parallel.random`` holds the no-op RNG tracker
     (``initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)``), and, in this thread,
     ``device="cuda"`` tensor creation goes to the CPU and ``Tensor.cuda()`` is a no-op. On exit all
@@ -121,10 +130,12 @@ def cpu_execution() -> Iterator[bool]:
 
     saved_current_device = torch.cuda.current_device
     saved_current_stream = torch.cuda.current_stream
+    saved_synchronize = torch.cuda.synchronize
     saved_tracker = mcore_random._CUDA_RNG_STATE_TRACKER
     saved_tracker_initialized = mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.current_stream = torch.cpu.current_stream
+    torch.cuda.synchronize = _cpu_synchronize
     try:
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         with _CudaTensorsOnCpu():
@@ -132,6 +143,7 @@ def cpu_execution() -> Iterator[bool]:
     finally:
         torch.cuda.current_device = saved_current_device
         torch.cuda.current_stream = saved_current_stream
+        torch.cuda.synchronize = saved_synchronize
         mcore_random._CUDA_RNG_STATE_TRACKER = saved_tracker
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker_initialized
 

@@ -9,8 +9,8 @@
 
 It reads the rendezvous that torchrun exports (:class:`RankEnvironment`), initialises the default
 process group (NCCL with CUDA, gloo without), binds the process to GPU ``LOCAL_RANK``, sets up
-megatron-core's parallel state with the requested tensor-parallel size (data-parallel size =
-world size / tensor-parallel size; no pipeline or context parallelism) and seeds Megatron's
+megatron-core's parallel state with the requested tensor- and pipeline-parallel sizes
+(data-parallel size = world size / (tensor x pipeline); no context parallelism) and seeds Megatron's
 model-parallel CUDA RNG tracker. Everything is torn down on exit.
 :func:`.cpu_support.single_process_group` is the world-size-1 case of the same function, for
 code that runs without a launcher (tests, the embedded CPU demo).
@@ -108,20 +108,24 @@ class ParallelLayout:
     rank: int
     world_size: int
     tensor_parallel: int
-    """Tensor-parallel size: ranks that share one model replica."""
+    """Tensor-parallel size: ranks that share each layer of one model replica."""
     data_parallel: int
-    """Data-parallel size: model replicas, ``world_size // tensor_parallel``."""
+    """Data-parallel size: model replicas, ``world_size // (tensor_parallel * pipeline_parallel)``."""
     tensor_parallel_rank: int
     data_parallel_rank: int
     device: torch.device
     """Where this rank's model lives: ``cuda:LOCAL_RANK`` with CUDA, else ``cpu``."""
     backend: str
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size: stages (consecutive layer ranges) of one model replica."""
+    pipeline_parallel_rank: int = 0
 
 
 @contextmanager
 def model_parallel_group(
     *,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
     seed: int = 0,
     backend: str | None = None,
     environment: RankEnvironment | None = None,
@@ -132,6 +136,9 @@ def model_parallel_group(
         tensor_parallel: tensor-parallel size; must divide the world size. Consecutive global
             ranks form a tensor-parallel group (megatron-core's default order), so with one
             process per GPU a model replica stays on one host.
+        pipeline_parallel: pipeline-parallel size; ``tensor_parallel * pipeline_parallel`` must
+            divide the world size. Stage ``p`` of data-parallel replica ``d`` is the
+            tensor-parallel group of ranks ``tp + TP * (d + DP * p)`` (megatron-core's order).
         seed: seed of Megatron's model-parallel CUDA RNG tracker (dropout and initialisation
             inside tensor-parallel regions), set with ``model_parallel_cuda_manual_seed``; used
             only when CUDA is available (on CPU :func:`.cpu_support.cpu_execution` installs the
@@ -151,7 +158,8 @@ def model_parallel_group(
     Raises:
         RuntimeError: torch.distributed is already initialised in this process, the torchrun
             variables are missing, or ``LOCAL_RANK`` names a GPU this host does not have.
-        ValueError: ``tensor_parallel`` does not divide the world size, or an unknown backend.
+        ValueError: ``tensor_parallel * pipeline_parallel`` does not divide the world size, or an
+            unknown backend.
     """
     if torch.distributed.is_initialized():
         raise RuntimeError(
@@ -159,10 +167,10 @@ def model_parallel_group(
             f"(backend {torch.distributed.get_backend()}, world size {torch.distributed.get_world_size()})"
         )
     env = RankEnvironment.from_environ() if environment is None else environment
-    if tensor_parallel < 1 or env.world_size % tensor_parallel:
+    if tensor_parallel < 1 or pipeline_parallel < 1 or env.world_size % (tensor_parallel * pipeline_parallel):
         raise ValueError(
-            f"model_parallel_group: tensor_parallel={tensor_parallel} does not divide the world size "
-            f"{env.world_size}"
+            f"model_parallel_group: tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} "
+            f"does not divide the world size {env.world_size}"
         )
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -198,7 +206,7 @@ def model_parallel_group(
         )
     try:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=1
+            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
         )
         if use_cuda:
             mcore_tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -206,11 +214,13 @@ def model_parallel_group(
             rank=env.rank,
             world_size=env.world_size,
             tensor_parallel=tensor_parallel,
-            data_parallel=env.world_size // tensor_parallel,
+            data_parallel=env.world_size // (tensor_parallel * pipeline_parallel),
             tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
             data_parallel_rank=parallel_state.get_data_parallel_rank(),
             device=device,
             backend=backend,
+            pipeline_parallel=pipeline_parallel,
+            pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         )
     finally:
         parallel_state.destroy_model_parallel()

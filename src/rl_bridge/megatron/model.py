@@ -213,6 +213,16 @@ def build_policy(
         provider.transformer_layer_spec = spec
         if qwen3:
             use_local_layers(provider)
+    from megatron.core import parallel_state
+
+    # Each stage builds its share of the layers from the provider's pipeline size.
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    provider.pipeline_model_parallel_size = pipeline
+    if pipeline > 1 and provider.num_moe_experts:
+        raise ValueError(
+            f"build_policy: pipeline parallel size {pipeline} with MoE layers is not supported "
+            "(their all-gather token dispatcher needs one sequence length for every micro-batch)"
+        )
     provider.freeze_vision_model = freeze_vision
     provider.freeze_vision_projection = freeze_projector
     if recompute == "full":
@@ -220,6 +230,9 @@ def build_policy(
         provider.recompute_method = "uniform"
         provider.recompute_num_layers = 1
     provider.finalize()
+    # Stages exchange activations of each micro-batch's own length: the schedule sends their
+    # shapes first (set after finalize(), whose check concerns MoE dispatchers only).
+    provider.variable_seq_lengths = pipeline > 1
 
     on_cpu = cpu_support_needed()
     # Megatron-Bridge's own DDP wrapper creates CUDA streams; on CPU the modules are wrapped here.
@@ -235,6 +248,8 @@ def build_policy(
     for module in model:
         if qwen3:
             continue  # its megatron-core vision tower attends per frame already; recomputed with the LM
+        if not parallel_state.is_pipeline_first_stage():
+            continue  # the vision tower lives on the first pipeline stage
         if vision_attention == "segment_batched":
             from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
 

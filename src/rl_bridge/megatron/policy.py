@@ -13,13 +13,17 @@
 * :meth:`~MegatronPolicy.save_checkpoint` / :meth:`~MegatronPolicy.load_checkpoint`: model,
   optimizer, step counter and RNG state, so training resumes exactly.
 
-Parallelism: tensor and data parallelism as set up in megatron-core's parallel state (each
-data-parallel rank passes its own share of the batch; every tensor-parallel rank the same share);
-no pipeline or context parallelism, no sequence packing (samples are right-padded per
-micro-batch). Under tensor parallelism the language model's layers and output layer are sharded
-(logprobs use the vocabulary-parallel path of :func:`.logprobs.token_logprobs`), the HF vision
-tower is replicated, exports gather full HF tensors on every rank, and training checkpoints are
-per rank. All methods are collective over the ranks of the model. Use it with torch.distributed
+Parallelism: tensor, pipeline and data parallelism as set up in megatron-core's parallel state
+(each data-parallel rank passes its own share of the batch; every tensor- and pipeline-parallel
+rank of a replica the same share); no context parallelism, no sequence packing (samples are
+right-padded per micro-batch). Under tensor parallelism the language model's layers and output
+layer are sharded (logprobs use the vocabulary-parallel path of :func:`.logprobs.token_logprobs`)
+and the HF vision tower is replicated. Under pipeline parallelism the first stage holds the vision
+tower, the projector and the embedding, the last the output layer; megatron-core's 1F1B schedule
+passes activations between stages (their shapes with them, as micro-batches differ in length),
+the last stage computes logprobs and losses and hands them to the other stages, so every rank
+returns the same results. Exports gather full HF tensors on every rank, and training checkpoints
+are per rank. All methods are collective over the ranks of the model. Use it with torch.distributed
 and Megatron's parallel state initialised (:func:`.distributed.model_parallel_group` under
 torchrun, :func:`.cpu_support.single_process_group` for one process) and, on a host without CUDA,
 inside :func:`.cpu_support.cpu_execution` (see :func:`.model.build_policy`).
@@ -290,8 +294,8 @@ class MegatronPolicy:
 
     Raises:
         ValueError: unsupported checkpoint or settings.
-        RuntimeError: the runtime is not set up (see the module docstring) or uses pipeline or
-            context parallelism.
+        RuntimeError: the runtime is not set up (see the module docstring) or uses context
+            parallelism.
     """
 
     def __init__(self, hf_path: str | Path, config: PolicyConfig | None = None) -> None:
@@ -300,8 +304,6 @@ class MegatronPolicy:
 
         self.config = config or PolicyConfig()
         self.hf_path = Path(hf_path)
-        if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-            raise RuntimeError("MegatronPolicy: pipeline parallelism is not supported (set PP = 1)")
         if parallel_state.get_context_parallel_world_size() != 1:
             raise RuntimeError(
                 "MegatronPolicy: context parallelism needs sequence packing, which is not supported"
@@ -532,16 +534,18 @@ class MegatronPolicy:
             data_iterator: Iterator[MicroBatch], model: torch.nn.Module
         ) -> tuple[torch.Tensor, Any]:
             micro_batch = next(data_iterator)
-            logits = model(
+            output = model(
                 input_ids=micro_batch.input_ids,
                 position_ids=None,
                 attention_mask=None,
                 **output_kwargs,
                 **micro_batch.media,
             )
-            return logits, partial(loss_for, micro_batch)
+            # Logits on the last pipeline stage; elsewhere the hidden states the schedule sends on,
+            # which point-to-point sends need in one contiguous block.
+            return output.contiguous(), partial(loss_for, micro_batch)
 
-        return get_forward_backward_func()(
+        reported = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=self._model,
@@ -550,6 +554,7 @@ class MegatronPolicy:
             micro_batch_size=max(mb.input_ids.size(0) for mb in micro_batches),
             forward_only=forward_only,
         )
+        return _from_last_stage(reported)
 
     def logprobs(
         self, batch: Sequence[PolicySample], *, micro_batch_size: int | None = None
@@ -981,6 +986,22 @@ def _vocab_parallel_logits(module: torch.nn.Module) -> bool:
             f"found {len(language_models)}"
         )
     return bool(language_models[0].parallel_output)
+
+
+def _from_last_stage(reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the last pipeline stage's loss functions reported, on every stage of the pipeline (the
+    schedule calls them on the last stage only and returns nothing elsewhere)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return reported
+    box: list[Any] = [reported if parallel_state.is_pipeline_last_stage() else None]
+    torch.distributed.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
 
 
 def _detached(value: torch.Tensor | float) -> torch.Tensor | float:

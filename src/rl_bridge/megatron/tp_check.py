@@ -1,7 +1,8 @@
-"""Check that a tensor- or data-parallel policy computes what the single-process policy computes.
+"""Check that a tensor-, pipeline- or data-parallel policy computes what the single-process policy computes.
 
 Start one process per rank with torchrun; the tensor-parallel size defaults to the number of
-processes (``--tensor-parallel 1`` with two processes checks data parallelism 2)::
+processes over the pipeline-parallel size (``--tensor-parallel 1`` with two processes checks data
+parallelism 2, ``--pipeline-parallel 2`` with two processes two pipeline stages)::
 
     python -m torch.distributed.run --nproc-per-node 2 -m rl_bridge.megatron.tp_check HF_DIR \\
         --output tp_check.json
@@ -288,6 +289,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tensor-parallel", type=int, help="tensor-parallel size (default: the number of processes)"
     )
+    parser.add_argument(
+        "--pipeline-parallel", type=int, default=1, help="pipeline-parallel size (stages; default 1)"
+    )
     parser.add_argument("--samples", type=int, default=4, help="samples in the synthetic batch")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="samples per forward pass")
     parser.add_argument(
@@ -332,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         micro_batch_size=args.micro_batch_size,
     )
     environment = RankEnvironment.from_environ()
-    tensor_parallel = args.tensor_parallel or environment.world_size
+    tensor_parallel = args.tensor_parallel or environment.world_size // args.pipeline_parallel
     batch = synthetic_batch(args.hf_path, num_samples=args.samples, seed=args.seed)
     if args.masked_sample is not None:
         batch[args.masked_sample] = dataclasses.replace(batch[args.masked_sample], loss_weight=0.0)
@@ -340,7 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ExitStack() as stack:
         stack.enter_context(cpu_execution())
         workdir = args.workdir
-        group = model_parallel_group(tensor_parallel=tensor_parallel, seed=args.seed, environment=environment)
+        group = model_parallel_group(
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=args.pipeline_parallel,
+            seed=args.seed,
+            environment=environment,
+        )
         with group as layout:
             if workdir is None:
                 created = [None]
@@ -351,8 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy = MegatronPolicy(args.hf_path, config)
             share = data_parallel_share(len(batch), layout.data_parallel_rank, layout.data_parallel)
             parallel = observe_step(policy, batch, share=share, loss=loss)
-            hf_checkpoint = policy.save_hf_checkpoint(workdir / f"hf-tp{layout.tensor_parallel}")
-            resume = _resume_check(policy, batch, workdir / f"checkpoint-tp{layout.tensor_parallel}")
+            name = f"tp{layout.tensor_parallel}" + (f"-pp{layout.pipeline_parallel}" if layout.pipeline_parallel > 1 else "")
+            hf_checkpoint = policy.save_hf_checkpoint(workdir / f"hf-{name}")
+            resume = _resume_check(policy, batch, workdir / f"checkpoint-{name}")
             del policy
         if layout.rank != 0:
             return 0
@@ -366,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "hf_path": str(args.hf_path),
             "world_size": layout.world_size,
             "tensor_parallel": layout.tensor_parallel,
+            "pipeline_parallel": layout.pipeline_parallel,
             "data_parallel": layout.data_parallel,
             "backend": layout.backend,
             "device": str(layout.device),
@@ -397,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_report(report: dict[str, Any]) -> None:
     print(
-        f"tp_check: TP={report['tensor_parallel']} x DP={report['data_parallel']} ({report['backend']}, "
+        f"tp_check: TP={report['tensor_parallel']} x PP={report['pipeline_parallel']} x "
+        f"DP={report['data_parallel']} ({report['backend']}, "
         f"{report['device']}) against TP=1, {report['samples']} samples, "
         f"{report['target_tokens']} target tokens"
     )

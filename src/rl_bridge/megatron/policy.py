@@ -217,9 +217,10 @@ class PolicyConfig:
     is the same function with far fewer kernel launches (GPU)."""
     fused_kernels: bool = True
     """On CUDA: the elementwise work (RoPE, SwiGLU, norms, the vision tower's rotary embedding and
-    MLP activations) fused by ``torch.compile`` (:func:`.fusion.fuse_elementwise`), and torch's fused
-    Adam kernel for the fp32 master weights. The same functions, rounded differently in the last
-    bits. No effect on CPU."""
+    MLP activations) fused by ``torch.compile`` (:func:`.fusion.fuse_elementwise`), the language
+    model's weight gradients accumulated in fp32 by their GEMMs
+    (:func:`.fusion.fuse_weight_gradient_accumulation`), and torch's fused Adam kernel for the fp32
+    master weights. The same functions, rounded differently in the last bits. No effect on CPU."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer: the fp32 master weights and Adam's moments sharded over
     the data-parallel ranks (gradients reduce-scattered, parameters all-gathered after the step),
@@ -375,6 +376,9 @@ class MegatronPolicy:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.utils import get_model_config
 
+        from rl_bridge.megatron.multi_tensor import use_foreach_multi_tensor
+
+        use_foreach_multi_tensor()  # norm, clipping and master-weight copy in a few kernels, not per tensor
         beta1, beta2 = self.config.adam_betas
         optimizer_config = OptimizerConfig(
             optimizer="adam",
@@ -396,14 +400,17 @@ class MegatronPolicy:
         model_config.finalize_model_grads_func = finalize_model_grads
 
     def fuse_kernels(self) -> dict[str, int]:
-        """Fuse the elementwise regions (:func:`.fusion.fuse_elementwise`) and switch torch's Adam to
-        its fused kernel (megatron-core falls back to torch's ``AdamW`` without Apex or Transformer
-        Engine, in its multi-tensor ``foreach`` form). CUDA only; returns what was changed (empty on
-        CPU)."""
-        from rl_bridge.megatron.fusion import fuse_elementwise
+        """Fuse the elementwise regions (:func:`.fusion.fuse_elementwise`), accumulate the language
+        model's weight gradients inside their GEMMs (:func:`.fusion.fuse_weight_gradient_accumulation`)
+        and switch torch's Adam to its fused kernel (megatron-core falls back to torch's ``AdamW``
+        without Apex or Transformer Engine, in its multi-tensor ``foreach`` form). CUDA only; returns
+        what was changed (empty on CPU)."""
+        from rl_bridge.megatron.fusion import fuse_elementwise, fuse_weight_gradient_accumulation
 
         changed = fuse_elementwise(self._model[0])
         if changed and self._optimizer is not None:
+            if fused_wgrad := fuse_weight_gradient_accumulation(self._model[0]):
+                changed["wgrad_accumulation"] = fused_wgrad
             for inner in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
                 adam = inner.optimizer
                 if isinstance(adam, torch.optim.Adam | torch.optim.AdamW):

@@ -274,6 +274,27 @@ def test_training_forward_returns_pi_old_without_a_separate_pass(trained: Traine
     assert max_diff(policy.logprobs(trained.batch), trained.new_logprobs) <= LOGPROB_TOLERANCE
 
 
+def test_gradient_clipping_acts_on_cpu(trained: Trained, tiny_qwen25vl: Path) -> None:
+    """megatron-core's gradient clipping runs on CPU as on GPUs: a bound over the step's gradient
+    norm leaves the step as unclipped, one under it rescales the gradient (a different Adam update
+    where epsilon matters), and the norm reported is the one before clipping."""
+    norm = trained.metrics.grad_norm
+    assert norm is not None and norm > 1.0, norm
+    loss = GRPOPolicyLoss(GRPOLossConfig())
+    steps = {}
+    for clip in (0.0, 2 * norm, norm / 4):
+        policy = MegatronPolicy(tiny_qwen25vl, policy_config(clip_grad=clip, adam_eps=1e-2))
+        metrics = policy.train_step(trained.batch, loss)
+        assert metrics.grad_norm == pytest.approx(norm, rel=1e-5)
+        steps[clip] = (policy.logprobs(trained.batch), step_gradients(policy))
+    unclipped_logprobs, unclipped_gradients = steps[0.0]
+    assert max_diff(steps[2 * norm][0], unclipped_logprobs) == 0.0
+    clipped_logprobs, clipped_gradients = steps[norm / 4]
+    for name, gradient in clipped_gradients.items():  # the step's gradient, scaled by the clip
+        torch.testing.assert_close(gradient, unclipped_gradients[name] / 4, rtol=1e-4, atol=1e-9)
+    assert max_diff(clipped_logprobs, unclipped_logprobs) > 1e-3
+
+
 def test_with_several_minibatches_the_clip_acts_and_clipped_tokens_get_no_gradient(
     megatron_runtime: None, tiny_qwen25vl: Path, samples: list[PolicySample]
 ) -> None:

@@ -435,6 +435,10 @@ class TrainSection(_Section):
     learning_rate: PositiveFloat = 3e-4
     micro_batch_size: PositiveInt = 64
     weight_decay: float = Field(0.0, ge=0.0)
+    clip_grad: float = Field(1.0, ge=0.0)
+    """Maximum global L2 norm of each optimizer step's gradient (megatron-core's gradient
+    clipping, the same on CPU and GPUs); 0 turns clipping off. The norm before clipping is logged as
+    ``train/grad_norm``."""
     minibatches: PositiveInt = 1
     """PPO mini-batches: each epoch over the rollout batch is split (in a fresh seeded order) into
     this many optimizer steps. With more than one optimizer step per rollout batch the clip acts,
@@ -776,6 +780,7 @@ class Recipe(_Section):
             layer_spec=self.model.layer_spec,
             learning_rate=self.train.learning_rate,
             weight_decay=self.train.weight_decay,
+            clip_grad=self.train.clip_grad,
             micro_batch_size=self.train.micro_batch_size,
             recompute=self.train.recompute,
             distributed_optimizer=self.distributed_optimizer,

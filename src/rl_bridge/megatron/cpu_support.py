@@ -4,10 +4,10 @@ megatron-core 0.19 assumes CUDA in many places: ``torch.cuda.current_device()`` 
 rotary embeddings and attention buffers, ``torch.cuda.current_stream()`` in DDP's gradient
 reduction, the CUDA RNG tracker's ``fork()`` around dropout,
 ``torch.zeros(..., device="cuda")`` in the pipeline schedules, ``torch.tensor(..., device="cuda")``
-and ``Tensor.cuda()`` in the optimizer, and an assertion on ``torch.cuda.FloatTensor`` in gradient
-clipping. This module holds the adjustments that make the model build,
-forward, backward, schedule and optimizer step run on CPU, with world size 1 or several gloo
-ranks:
+and ``Tensor.cuda()`` in the optimizer, and assertions on ``torch.cuda.FloatTensor`` in gradient
+clipping and the distributed optimizer. This module holds the adjustments that make the model
+build, forward, backward, schedule and optimizer step (gradient clipping included) run on CPU, with
+world size 1 or several gloo ranks:
 
 * :func:`cpu_execution`, held for as long as Megatron code runs:
   ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.current_stream()`` returns
@@ -19,9 +19,9 @@ ranks:
   :class:`~torch.overrides.TorchFunctionMode` creates tensors asked for on ``device="cuda"`` on the
   CPU and makes ``Tensor.cuda()`` return the tensor itself (the schedules, the optimizer, DDP
   buffers, and the causal mask of the local ``DotProductAttention``), and ``Tensor.type()`` names
-  a CPU tensor's CUDA type (the distributed optimizer accepts only CUDA parameters by that name;
-  gloo has the reduce-scatter and all-gather it needs).
-* :func:`optimizer_config_for_host`: gradient clipping off (``clip_grad=0``).
+  a CPU tensor's CUDA type (gradient clipping asserts its gradients are CUDA tensors by that name,
+  and the distributed optimizer its parameters; gloo has the reduce-scatter and all-gather it
+  needs).
 * :func:`single_process_group`: torch.distributed with world size 1 (an in-process store) and
   Megatron's parallel state with TP = PP = 1 (the launcher-free case of
   :func:`.distributed.model_parallel_group`, which runs one process per rank under torchrun).
@@ -33,27 +33,19 @@ tensor-creation mode applies to the thread that entered :func:`cpu_execution`.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-if TYPE_CHECKING:
-    from megatron.core.optimizer import OptimizerConfig
 
 __all__ = [
     "cpu_execution",
     "cpu_execution_active",
     "cpu_support_needed",
-    "optimizer_config_for_host",
     "single_process_group",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def cpu_support_needed() -> bool:
@@ -99,7 +91,8 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
-            return func(*args).replace("torch.", "torch.cuda.", 1)
+            name = func(*args)  # already rewritten by an enclosing cpu_execution() when nested
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
@@ -146,21 +139,6 @@ def cpu_execution() -> Iterator[bool]:
         torch.cuda.synchronize = saved_synchronize
         mcore_random._CUDA_RNG_STATE_TRACKER = saved_tracker
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker_initialized
-
-
-def optimizer_config_for_host(config: OptimizerConfig) -> OptimizerConfig:
-    """``config`` unchanged when CUDA is available; on CPU a copy with gradient clipping off.
-
-    megatron-core's ``clip_grad_norm_fp32`` asserts that gradients are ``torch.cuda.FloatTensor``,
-    so ``clip_grad`` must be 0 on CPU. A warning names the clipping value that was dropped.
-    """
-    if not cpu_support_needed() or config.clip_grad == 0.0:
-        return config
-    logger.warning(
-        "megatron-core cannot clip gradients on CPU; clip_grad=%s is replaced by 0.0 (no clipping)",
-        config.clip_grad,
-    )
-    return dataclasses.replace(config, clip_grad=0.0)
 
 
 @contextmanager

@@ -46,7 +46,7 @@ import torch
 
 from rl_bridge.grpo import GRPOLossConfig, grpo_loss, loss_denominator
 from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
-from rl_bridge.megatron.cpu_support import cpu_support_needed, optimizer_config_for_host
+from rl_bridge.megatron.cpu_support import cpu_support_needed
 from rl_bridge.structured_outputs import unpack_bitmask
 from rl_bridge.megatron.logprobs import token_logprobs
 from rl_bridge.megatron.model import (
@@ -191,8 +191,8 @@ class PolicyConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    """Maximum global L2 norm of the gradient; 0 turns clipping off. Without CUDA clipping is not
-    possible in megatron-core and is turned off with a warning."""
+    """Maximum global L2 norm of the gradient (megatron-core's ``clip_grad``, on CPU as on GPUs); 0
+    turns clipping off."""
     micro_batch_size: int = 1
     """Samples per forward pass; a batch is split into ``ceil(len(batch) / micro_batch_size)``
     micro-batches whose gradients are accumulated."""
@@ -393,7 +393,7 @@ class MegatronPolicy:
             params_dtype=self.config.dtype,
             use_distributed_optimizer=self.config.distributed_optimizer,
         )
-        self._optimizer = get_megatron_optimizer(optimizer_config_for_host(optimizer_config), self._model)
+        self._optimizer = get_megatron_optimizer(optimizer_config, self._model)
         model_config = get_model_config(self._model[0])
         model_config.grad_scale_func = self._optimizer.scale_loss
         model_config.no_sync_func = self._model[0].no_sync

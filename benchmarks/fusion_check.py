@@ -67,7 +67,7 @@ def run(
         float((n - o).abs().max()) for n, o in zip(base.new_logprobs, base.old_logprobs, strict=True)
     )
     report: dict[str, Any] = {
-        "checkpoint": str(hf_path),
+        "checkpoint": hf_path.name,
         "device": torch.cuda.get_device_name(),
         "dtype": "bfloat16",
         "samples": samples,

@@ -8,7 +8,9 @@ its data plane moves the tensors. This module provides:
 - :class:`GlooTrainerWeightTransferEngine`, registered as ``video_grpo_gloo`` (the trainer half
   of :mod:`vllm_video_plugin.weight_transfer`): the HF-named tensors streamed into buckets of
   ``bucket_bytes``, each bucket one ``/update_weights`` call and one gloo broadcast; on GPUs the
-  same policy methods use vLLM's stock ``nccl`` engine instead;
+  same policy methods use vLLM's stock ``nccl`` engine (split placement) or its ``ipc`` engine
+  (colocated: each policy rank packs its export into one bucket-sized device buffer and vLLM's
+  worker on the same GPU reads it through a CUDA IPC handle);
 - :class:`PolicyWeightSource`, a ``WeightSource`` over a policy's
   :meth:`~rl_bridge.megatron.policy.MegatronPolicy.export_hf_weights` stream (tensor-parallel
   shards gathered per tensor by Megatron-Bridge, the vision tower and projector included);
@@ -241,7 +243,7 @@ class PolicyWeightSource(WeightSource):
         return iter(self._export())
 
 
-Backend = Literal["video_grpo_gloo", "nccl"]
+Backend = Literal["video_grpo_gloo", "nccl", "ipc"]
 
 
 def sender_address(base_url: str) -> str:
@@ -290,6 +292,12 @@ class WeightSync:
                 timeout_s=timeout_s,
                 rank=rank,
             )
+        elif backend == "ipc":
+            # No rendezvous: every rank shares its buffer's handle, rank 0 ships them all (vLLM's
+            # workers pick the one of their GPU). Packed: one bucket-sized buffer per rank.
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
         else:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 

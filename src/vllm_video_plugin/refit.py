@@ -164,8 +164,14 @@ class RefitClient:
         self._post("/start_weight_update", step="start the weight update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """``POST /update_weights``: one chunk; the workers receive its tensors meanwhile."""
-        self._post("/update_weights", {"update_info": update_info}, step="update weights")
+        """``POST /update_weights``: one chunk; the workers receive its tensors meanwhile. CUDA IPC
+        handles (``ipc_handles``, not JSON) travel pickled and base64-encoded as
+        ``ipc_handles_pickled``, as vLLM's own HTTP client sends them (the server must run with
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+        chunks = update_info if isinstance(update_info, list) else [update_info]
+        encoded = [_json_safe(chunk) for chunk in chunks]
+        body = encoded if isinstance(update_info, list) else encoded[0]
+        self._post("/update_weights", {"update_info": body}, step="update weights")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
@@ -243,3 +249,15 @@ class RefitClient:
             return json.loads(payload)
         except json.JSONDecodeError:
             return payload.decode(errors="replace")
+
+
+def _json_safe(update_info: dict[str, Any]) -> dict[str, Any]:
+    """``update_info`` with its CUDA IPC handles, if any, as vLLM's ``ipc_handles_pickled``."""
+    if update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    out = {key: value for key, value in update_info.items() if key != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode("ascii")
+    return out

@@ -155,6 +155,37 @@ def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
     assert "--enable-sleep-mode" not in vllm_config(cpu, data).extra_args and cpu.refit.in_memory(cpu.model)
 
 
+def test_in_memory_refits_on_gpus_use_nccl_split_and_cuda_ipc_colocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the policy on GPUs, vLLM's ``nccl`` engine serves split placement and its ``ipc``
+    engine colocated placement (asked for with ``refit.transport: memory``), whose server is
+    allowed to unpickle the IPC handles; on CPU this package's gloo engine."""
+    from rl_bridge.loop.roles import vllm_config, weight_transfer_backend
+    from rl_bridge.services.vllm_server import server_env
+    from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("rl_bridge.loop.roles.run_processor", lambda recipe, data: _FixedContract())
+    overrides = ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2"]
+    colocated = load_recipe(None, [*overrides, "model.placement=colocated", "refit.transport=memory"])
+    split = load_recipe(None, overrides)
+    assert colocated.refit.in_memory(colocated.model)
+    assert (weight_transfer_backend(colocated), weight_transfer_backend(split)) == ("ipc", "nccl")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    data = _task_data(model_dir, tmp_path)
+    ipc_server = vllm_config(colocated, data)
+    assert ipc_server.weight_transfer_backend == "ipc"
+    ipc_env = server_env(ipc_server, logging_config_path=tmp_path / "log.json")
+    assert ipc_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    nccl_env = server_env(vllm_config(split, data), logging_config_path=tmp_path / "log.json")
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in nccl_env
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert weight_transfer_backend(colocated) == GLOO_BACKEND
+
+
 class _FixedContract:
     from vllm_video_plugin.contract import VideoSamplingContract
 

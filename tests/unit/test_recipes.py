@@ -119,16 +119,6 @@ def test_nemotron_recipe_asks_for_transformer_engine() -> None:
         (["model.family=nemotron_omni"], "no tiny CPU model"),
         (["model.placement=colocated", "mode=async"], "needs mode='sync'"),
         (["model.placement=colocated", "cluster.backend=ray"], "local backend only"),
-        (
-            [
-                "model.path=Qwen/Qwen2.5-VL-3B-Instruct",
-                "model.vllm_gpus=4",
-                "model.policy_gpus=4",
-                "model.placement=colocated",
-                "refit.transport=memory",
-            ],
-            "refits from disk",
-        ),
         (["task.width=2048", "task.height=2048", "task.num_frames=64"], "over model.max_model_len"),
         (["task.environment=segments", "task.name=count"], "task.name must be 'colour'"),
         (["task.bad_row_fraction=1.0"], "bad_row_fraction"),

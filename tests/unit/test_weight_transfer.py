@@ -172,3 +172,43 @@ def test_non_sender_ranks_only_run_the_export() -> None:
     )
     engine.send_weights()  # a client call would fail on None, a broadcast on the missing group
     assert exported == [1]
+
+
+def test_cuda_ipc_handles_reach_vllms_update_info_pickled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colocated GPU refits go through vLLM's ``ipc`` engine, whose update infos carry CUDA IPC
+    handles (tuples, not JSON): the refit client sends them as vLLM's own HTTP client does,
+    pickled into ``ipc_handles_pickled``, and vLLM's update info decodes the same handles."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from vllm_video_plugin.refit import RefitClient
+
+    handles = {"GPU-1234": ("rebuild_cuda_tensor", (7, b"\x00handle", 4096)), "GPU-5678": ("args", (1, 2))}
+    update = asdict(
+        IPCWeightTransferUpdateInfo(
+            names=["a", "b"],
+            dtype_names=["bfloat16", "float32"],
+            shapes=[[2, 3], [4]],
+            ipc_handles=handles,
+            tensor_sizes=[12, 16],
+        )
+    )
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(RefitClient, "_post", lambda self, path, body=None, *, step: sent.append(body))
+    client = RefitClient("http://127.0.0.1:1")
+    client.update_weights(update)
+    client.update_weights([update, update])
+
+    import json
+
+    body = json.loads(json.dumps(sent[0]))["update_info"]  # what the HTTP request carries
+    assert "ipc_handles" not in body and isinstance(body["ipc_handles_pickled"], str)
+    assert [set(chunk) for chunk in sent[1]["update_info"]] == [set(body)] * 2
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        IPCWeightTransferUpdateInfo(**body)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    decoded = IPCWeightTransferUpdateInfo(**body)
+    assert decoded.ipc_handles == handles and decoded.names == ["a", "b"] and decoded.tensor_sizes == [12, 16]
+
+    plain = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}  # gloo and NCCL: unchanged
+    client.update_weights(plain)
+    assert sent[-1]["update_info"] == plain

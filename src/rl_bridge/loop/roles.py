@@ -155,12 +155,16 @@ def run_processor(recipe: Recipe, data: TaskData) -> MediaProcessor:
 
 def weight_transfer_backend(recipe: Recipe) -> str | None:
     """vLLM's weight-transfer engine for the run's refits (``None``: refits reload from disk):
-    vLLM's ``nccl`` when the policy trains on a GPU, this package's gloo engine on CPU."""
+    with the policy on GPUs vLLM's ``nccl`` (split placement) or ``ipc`` (colocated: the policy's
+    ranks and vLLM's workers share the GPUs, which NCCL cannot join twice), this package's gloo
+    engine on CPU."""
     if not recipe.refit.in_memory(recipe.model):
         return None
     from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 
-    return "nccl" if recipe.model.policy_gpus and torch.cuda.is_available() else GLOO_BACKEND
+    if not (recipe.model.policy_gpus and torch.cuda.is_available()):
+        return GLOO_BACKEND
+    return "ipc" if recipe.model.placement == "colocated" else "nccl"
 
 
 def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:

@@ -829,7 +829,7 @@ class MegatronPolicy:
         old = self._weight_syncs.pop(base_url, None)
         if old is not None:
             old.close()
-        # gloo sends from host memory; NCCL from the device, where the export then stays.
+        # gloo sends from host memory; NCCL and CUDA IPC from the device, where the export stays.
         on_cpu = backend == GLOO_BACKEND
         sync = WeightSync(lambda: self.export_hf_weights(cpu=on_cpu))
         address = sender_address(base_url)

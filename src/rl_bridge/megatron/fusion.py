@@ -140,19 +140,23 @@ def fuse_weight_gradient_accumulation(model: nn.Module, enabled: bool = True) ->
     ``main_grad`` buffers inside the weight-gradient GEMM (``enabled``), or go back to a separate
     gradient and ``main_grad.add_`` (megatron-core's path without Apex); CUDA only.
 
-    Only layers whose weight has a ``main_grad`` (a trainable model wrapped in DDP) change. The
-    result equals the unfused sum up to the rounding of the bf16 gradient the unfused path makes
-    before adding it (the fused GEMM adds its fp32 result directly).
+    Only layers whose weight has a ``main_grad`` (a trainable model wrapped in DDP) change. Where
+    Apex's ``fused_weight_gradient_mlp_cuda`` is installed megatron-core uses it; otherwise the
+    stand-in above. The result equals the unfused sum up to the rounding of the bf16 gradient the
+    unfused path makes before adding it (the fused GEMM adds its fp32 result directly).
 
     Returns:
         How many linear layers use the fused accumulation afterwards (0 on CPU, or where torch's
         ``addmm`` cannot write an fp32 result from bf16 operands).
     """
-    if not torch.cuda.is_available() or (enabled and not _fp32_accumulating_gemm()):
+    if not torch.cuda.is_available():
         return 0
     from megatron.core.tensor_parallel import layers
 
-    if enabled:
+    apex = layers._grad_accum_fusion_available  # megatron-core found Apex's kernel at import
+    if enabled and not apex:
+        if not _fp32_accumulating_gemm():
+            return 0
         layers.fused_weight_gradient_mlp_cuda = _WeightGradientGemm
     changed = 0
     for module in model.modules():

@@ -323,6 +323,28 @@ def test_watch_restarts_a_dead_backend_without_any_caller(backend: _Backend) -> 
     assert supervisor.generation == 1 and backend.up()
 
 
+def test_a_server_killed_while_probed_is_reported_as_exited() -> None:
+    """A killed server resets the health connection before its process can be reaped: the
+    reason given is the exit the probe then sees, not the reset."""
+
+    class Exiting:
+        name = "server"
+        polls = 0
+
+        def poll(self) -> int | None:  # running at the first look, killed by the second
+            self.polls += 1
+            return None if self.polls == 1 else -9
+
+    class Server:
+        health_url = f"http://127.0.0.1:{free_port()}/"  # nothing listens: refused
+        process = Exiting()
+
+        def restart(self) -> None:
+            raise AssertionError("probe() must not restart")
+
+    assert ServiceSupervisor(Server()).probe() == "server exited with code -9"
+
+
 def test_restart_policy_is_validated() -> None:
     with pytest.raises(ValueError, match="probe_attempts=0"):
         RestartPolicy(probe_attempts=0)

@@ -247,15 +247,21 @@ class ServiceSupervisor(Generic[ServerT]):
         return next(filter(None, map(self._probe, self.servers)), None)
 
     def _probe(self, server: ServerT) -> str | None:
-        exit_code = server.process.poll()
-        if exit_code is not None:
-            return f"{server.process.name} exited with code {exit_code}"
+        if (exited := self._exited(server)) is not None:
+            return exited
         url = server.health_url
         try:
             with urllib.request.urlopen(url, timeout=self.policy.probe_timeout_s) as response:
                 return None if response.status == 200 else f"{url} answered HTTP {response.status}"
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-            return f"{url} did not answer: {error!r}"
+            # A server being killed resets the connection before its process can be reaped: the
+            # exit, once visible, is the better reason.
+            return self._exited(server) or f"{url} did not answer: {error!r}"
+
+    @staticmethod
+    def _exited(server: ServerT) -> str | None:
+        exit_code = server.process.poll()
+        return None if exit_code is None else f"{server.process.name} exited with code {exit_code}"
 
     def ensure_healthy(self) -> int:
         """Probe the server and restart it if it is down; return its generation, once healthy.
@@ -365,8 +371,10 @@ class ServiceSupervisor(Generic[ServerT]):
             if attempt:
                 time.sleep(self.policy.probe_interval_s)
             problem = self._probe(server)
-            if problem is None or server.process.poll() is not None:
-                return problem
+            if problem is None:
+                return None
+            if (exited := self._exited(server)) is not None:
+                return exited
         return problem
 
     def _restart(self, server: ServerT, reason: str) -> None:

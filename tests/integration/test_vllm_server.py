@@ -171,3 +171,9 @@ def test_the_worker_runs_in_the_engine_process_only_when_asked_and_alone(tmp_pat
     assert server_env(inside, logging_config_path=logging_config)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     with pytest.raises(ValueError, match="single worker, but extra_args ask for --tensor-parallel-size 2"):
         VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size", "2"))
+    # vLLM's parser takes --flag=N too, and a later size overrides an earlier one.
+    with pytest.raises(ValueError, match="single worker, but extra_args ask for --pipeline-parallel-size 2"):
+        VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--pipeline-parallel-size=2",))
+    with pytest.raises(ValueError, match="single worker, but extra_args ask for -tp 4"):
+        VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("-tp", "1", "-tp=4"))
+    assert VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size=1",))

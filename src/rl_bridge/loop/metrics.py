@@ -6,14 +6,16 @@ import json
 import math
 import os
 import resource
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGES", "RunMetrics", "read_metrics", "resident_mb", "step_totals", "write_curves"]
+__all__ = ["STAGES", "DeviceMemoryMonitor", "RunMetrics", "read_metrics", "resident_mb", "step_totals", "write_curves"]
 
-#: The timed stages of a step, in order (``time/<stage>_s`` metrics).
-STAGES = ("rollout", "preprocess", "logprobs", "train", "refit", "validation")
+#: The timed stages of a step, in order (``time/<stage>_s`` metrics). A colocated GPU run also
+#: times ``sleep``, ``release`` and ``wake`` (:meth:`.controller.Controller.sleeping_generation`).
+STAGES = ("rollout", "preprocess", "logprobs", "sleep", "train", "release", "wake", "refit", "validation")
 
 
 class RunMetrics:
@@ -131,9 +133,11 @@ def step_totals(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     mean seconds per stage and per step (``mean_stage_time_s``), rollout rows, rows ``ok`` and
     masked samples."""
     steps = [r for r in history if "time/step_s" in r]
+    colocated = ("sleep", "release", "wake")  # timed only where vLLM sleeps while the policy trains
     mean_time = {
         stage: sum(r.get(f"time/{stage}_s", 0.0) for r in steps) / max(len(steps), 1)
         for stage in (*STAGES[:-1], "step")
+        if stage not in colocated or any(f"time/{stage}_s" in r for r in steps)
     }
     return {
         "mean_stage_time_s": mean_time,
@@ -151,3 +155,48 @@ def resident_mb() -> float:
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class DeviceMemoryMonitor:
+    """The most memory GPU 0 of this host had in use, every process together (vLLM's and the
+    policy's), sampled through NVML every ``interval_s`` on a daemon thread while the monitor runs:
+    the figure that decides whether a colocated run fits, which neither process can see alone.
+    Without NVML or a GPU it measures nothing and :meth:`take_peak` returns ``None``."""
+
+    def __init__(self, interval_s: float = 0.05, device: int = 0) -> None:
+        self.interval_s = interval_s
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._handle: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        except Exception:  # no NVML library or no GPU: nothing to measure
+            return
+        self._thread = threading.Thread(target=self._sample, name="device-memory", daemon=True)
+        self._thread.start()
+
+    def _used(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            used = self._used()
+            with self._lock:
+                self._peak = max(self._peak, used)
+
+    def take_peak(self) -> float | None:
+        """The peak in GiB since the last call (``None`` when nothing is measured); starts a new
+        interval."""
+        if self._handle is None:
+            return None
+        with self._lock:
+            peak, self._peak = max(self._peak, self._used()), 0
+        return peak / 2**30
+
+    def close(self) -> None:
+        self._stop.set()

@@ -466,14 +466,14 @@ def _tiny_config(family: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
         vision["num_position_embeddings"] = spec.num_position_embeddings
         vision["deepstack_visual_indexes"] = list(spec.deepstack_visual_indexes)
     return {
-        "vocab_size": spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS),
+        "vocab_size": max(spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS), spec.vocab_size or 0),
         "hidden_size": spec.text_hidden_size,
         "intermediate_size": spec.text_intermediate_size,
         "num_hidden_layers": spec.text_num_layers,
         "num_attention_heads": spec.text_num_heads,
         "num_key_value_heads": spec.text_num_kv_heads,
         "head_dim": spec.text_head_dim,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "vision_config": vision,
     }
 

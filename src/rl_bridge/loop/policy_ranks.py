@@ -241,6 +241,15 @@ class RankedPolicy:
         """Each rank's :meth:`MegatronPolicy.state_bytes`, in rank order."""
         return self._call_all("state_bytes", self._same())
 
+    def memory_stats(self, *, reset: bool = False) -> dict[str, float]:
+        """The largest of the ranks' :meth:`MegatronPolicy.memory_stats`, figure by figure."""
+        results = self._call_all("memory_stats", self._same(), reset=reset)
+        return {name: max(r[name] for r in results) for name in results[0]} if results and results[0] else {}
+
+    def release_memory(self) -> float:
+        """Every rank's :meth:`MegatronPolicy.release_memory`; the GiB released, summed."""
+        return sum(self._call_all("release_memory", self._same()))
+
 
 # -- local ranks: one child process each -----------------------------------------------------------
 

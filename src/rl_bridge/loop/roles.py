@@ -55,6 +55,10 @@ class PolicyHandle(Protocol):
 
     def send_weights_to_vllm(self, base_url: str | None = None) -> dict[str, float]: ...
 
+    def memory_stats(self, *, reset: bool = False) -> dict[str, float]: ...
+
+    def release_memory(self) -> float: ...
+
 
 @dataclass(frozen=True)
 class Roles:
@@ -171,7 +175,8 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     """Start the run's plan on this host (see the module docstring); ``stack`` stops it all.
 
     vLLM loads while the Gym servers and the policy start (they need its URLs, not its answers):
-    the run waits for the slowest of them rather than for their sum.
+    the run waits for the slowest of them rather than for their sum. Colocated on GPUs, the policy
+    starts once vLLM is up, so that vLLM's memory profiling sees only its own allocations.
 
     Raises:
         rl_bridge.loop.placement.PlacementError: the plan does not fit this host.
@@ -205,6 +210,12 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
             specs, run_dir=run_dir / "logs" / "gym", extra_roots=[project_root() / "src"], timeout_s=600
         )
     )
+    colocated_gpus = recipe.model.placement == "colocated" and recipe.model.vllm_gpus > 0
+    if colocated_gpus:
+        # vLLM sizes its KV cache from the memory free while it profiles: a policy allocating on
+        # the same GPUs meanwhile makes that figure wrong (vLLM then fails or overcommits).
+        for server in servers:
+            server.wait_until_healthy()
     policy, reference = _start_local_policy(recipe, data, plan, stack)
     for server in servers:
         server.wait_until_healthy()

@@ -14,6 +14,8 @@
    train.minibatches`` optimizer steps), refit (versioned by step);
 5. validates on the held-out rows with greedy decoding before the first step, every
    ``validation.every`` steps and after the last (:class:`rl_bridge.loop.report.RunReport`);
+   on GPUs each step also records the policy's CUDA memory (``gpu/policy_*``) and the device's
+   peak in use by every process (``gpu/device_peak_used_gib``);
 6. logs every metric to TensorBoard and ``metrics.jsonl``, draws the PNG curves, saves a checkpoint,
    writes ``summary.json`` and stops everything it started.
 """
@@ -27,7 +29,7 @@ from typing import Any
 
 from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import RunMetrics, write_curves
+from rl_bridge.loop.metrics import DeviceMemoryMonitor, RunMetrics, write_curves
 from rl_bridge.loop.report import RunReport
 from rl_bridge.loop.roles import start_roles
 from rl_bridge.loop.tasks import prepare_task
@@ -59,6 +61,10 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
         report = RunReport(recipe, controller, metrics, desc="grpo", started=started)
         if recipe.warm_start.steps:
             metrics.log(0, controller.warm_start())
+        memory = DeviceMemoryMonitor()
+        stack.callback(memory.close)
+        memory.take_peak()
+        controller.roles.policy.memory_stats(reset=True)
         report.start()
         step = 0
         for step in range(1, recipe.train.steps + 1):
@@ -73,8 +79,13 @@ def run_sync(recipe: Recipe) -> dict[str, Any]:
                         train_metrics = controller.train(samples)
                 with timed("refit", timings):
                     refit_metrics = controller.refit(step, trained=train_metrics["train/optimizer_steps"] > 0)
-            timings["time/step_s"] = sum(timings.values())
-            if report.step_done(step, {**collect_metrics, **train_metrics, **refit_metrics, **timings}):
+            timings["time/step_s"] = sum(value for name, value in timings.items() if name.startswith("time/"))
+            gpu = {f"gpu/policy_{k}": v for k, v in controller.roles.policy.memory_stats(reset=True).items()}
+            peak = memory.take_peak()
+            if peak is not None:
+                gpu["gpu/device_peak_used_gib"] = peak
+            metrics = {**collect_metrics, **train_metrics, **refit_metrics, **timings, **gpu}
+            if report.step_done(step, metrics):
                 break
         report.finish(step)
         if recipe.train.checkpoint_at_end:

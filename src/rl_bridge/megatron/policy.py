@@ -453,6 +453,32 @@ class MegatronPolicy:
                         optimizer += tensor.numel() * tensor.element_size()
         return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
 
+    def memory_stats(self, *, reset: bool = False) -> dict[str, float]:
+        """This rank's CUDA memory since the last reset, in GiB: ``peak_allocated`` and
+        ``peak_reserved`` (PyTorch's caching allocator), ``reserved`` now; empty without CUDA.
+        ``reset`` starts the next interval."""
+        if not torch.cuda.is_available():
+            return {}
+        gib = 1024**3
+        stats = {
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib,
+            "reserved_gib": torch.cuda.memory_reserved() / gib,
+        }
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return stats
+
+    def release_memory(self) -> float:
+        """Return the memory PyTorch's caching allocator holds but no tensor uses (the step's
+        activations) to the device, so that a colocated vLLM can wake into it. Parameters,
+        gradients and optimizer state stay. Returns the GiB released (0 without CUDA)."""
+        if not torch.cuda.is_available():
+            return 0.0
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return (before - torch.cuda.memory_reserved()) / 1024**3
+
     # -- properties ---------------------------------------------------------------------------------
 
     @property

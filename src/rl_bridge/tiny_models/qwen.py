@@ -11,7 +11,7 @@ Megatron-Bridge load them through their ordinary code paths.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, PositiveInt, model_validator
@@ -90,6 +90,18 @@ class _QwenVLSpec(TinyModelSpec):
     video_fps: float = Field(2.0, gt=0, description="Frames per second the video processor samples.")
     video_min_frames: PositiveInt = 4
     video_max_frames: PositiveInt = 64
+    vocab_size: PositiveInt | None = Field(
+        None,
+        description=(
+            "The model's vocabulary (embedding and output rows) when larger than the tokenizer's, "
+            "as released checkpoints pad theirs (Qwen2.5-VL: 151,936 rows for 151,665 tokens): a "
+            "full-size model built with the small local tokenizer. ``None``: the tokenizer's size."
+        ),
+    )
+    tie_word_embeddings: bool = False
+    weights_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the saved weights (bfloat16 halves a full-size model's files)."
+    )
 
     @model_validator(mode="after")
     def _check_shapes(self) -> _QwenVLSpec:
@@ -102,6 +114,10 @@ class _QwenVLSpec(TinyModelSpec):
             raise ValueError(
                 f"mrope_section={self.mrope_section} must sum to text_head_dim / 2 "
                 f"= {self.text_head_dim // 2}"
+            )
+        if self.vocab_size is not None and self.vocab_size < self.bpe_vocab_size:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is smaller than the tokenizer's bpe_vocab_size={self.bpe_vocab_size}"
             )
         if self.vision_hidden_size % self.vision_num_heads:
             raise ValueError(
@@ -147,7 +163,7 @@ class _QwenVLSpec(TinyModelSpec):
     ) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = model_cls(config).to(torch.float32).eval()
+            model = model_cls(config).to(getattr(torch, self.weights_dtype)).eval()
         model.save_pretrained(out_dir)
         GenerationConfig(
             bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -158,7 +174,7 @@ class _QwenVLSpec(TinyModelSpec):
 
     def _text_config(self, tokenizer: PreTrainedTokenizerFast, **extra: object) -> dict[str, object]:
         return {
-            "vocab_size": len(tokenizer),
+            "vocab_size": max(len(tokenizer), self.vocab_size or 0),
             "hidden_size": self.text_hidden_size,
             "intermediate_size": self.text_intermediate_size,
             "num_hidden_layers": self.text_num_layers,
@@ -246,7 +262,7 @@ class Qwen25VLSpec(_QwenVLSpec):
                 window_size=self.window_size,
                 fullatt_block_indexes=list(self.fullatt_block_indexes),
             ),
-            tie_word_embeddings=False,
+            tie_word_embeddings=self.tie_word_embeddings,
             **self._token_ids(tokenizer),
         )
         vision = self._processor_patching()
@@ -342,7 +358,7 @@ class Qwen3VLSpec(_QwenVLSpec):
                 num_position_embeddings=self.num_position_embeddings,
                 deepstack_visual_indexes=list(self.deepstack_visual_indexes),
             ),
-            tie_word_embeddings=False,
+            tie_word_embeddings=self.tie_word_embeddings,
             **self._token_ids(tokenizer),
         )
         vision = self._processor_patching()

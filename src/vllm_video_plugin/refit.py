@@ -19,7 +19,11 @@ weight-version endpoints). One refit:
    prefix-cache reset, so their KV is recomputed with the new weights after the resume; a reset
    the server reports as unsuccessful fails the refit;
 4. ``POST /update_weight_version``: the engine stamps this version on every output from now on
-   (``GET /weight_info`` reports it);
+   (``GET /weight_info`` reports it). vLLM before 0.27 keeps no weight versions (those routes are
+   404, :func:`vllm_video_plugin.compat.has_weight_versions`): against such a server (its
+   release read once from ``GET /version``) the client keeps the version itself, says so in its
+   log and in :attr:`RefitResult.version_kept_by`, and reports it as the served one until the
+   server restarts (its process start time in ``GET /metrics`` changes);
 5. ``POST /resume``.
 
 If a step after the pause fails, the server is left **paused** (its weights may be half
@@ -30,6 +34,7 @@ serve whatever is loaded. Uses only the standard library (no HTTP client depende
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -39,9 +44,17 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, Literal
 
+from vllm_video_plugin import compat
 from vllm_video_plugin.errors import VideoGRPOError
 
 __all__ = ["PauseMode", "RefitClient", "RefitError", "RefitResult"]
+
+logger = logging.getLogger(__name__)
+
+_UNREAD = object()
+
+DEFAULT_WEIGHT_VERSION = "default"
+"""What a server reports before any refit (vLLM's engine default)."""
 
 PauseMode = Literal["abort", "wait", "keep"]
 """vLLM's pause modes: abort running requests, wait for them to finish, or freeze them until resume
@@ -63,6 +76,9 @@ class RefitResult:
     transfer)."""
     paused_s: float
     """Seconds from pause to resume: how long generation stood still."""
+    version_kept_by: Literal["server", "client"] = "server"
+    """Who holds :attr:`weight_version`: the server (vLLM 0.27 and later) or this client's own
+    record (before 0.27 vLLM keeps no weight versions)."""
 
 
 class RefitClient:
@@ -76,6 +92,12 @@ class RefitClient:
         """
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._server_version: object = _UNREAD
+        self._server_keeps_versions: bool | None = None
+        self._version = DEFAULT_WEIGHT_VERSION
+        """The version last stamped, kept here for a server that keeps none."""
+        self._stamped_in: float | None = None
+        """That server's process start time when it was stamped (a restart serves the default)."""
 
     def refit(
         self, weights_path: str | os.PathLike[str], *, version: str, pause_mode: PauseMode = "wait"
@@ -146,12 +168,59 @@ class RefitClient:
         served = self.weight_version()
         if served != version:
             raise RefitError(f"after the refit the server reports weight version {served!r}, not {version!r}")
-        return RefitResult(weight_version=served, weights_path=source, paused_s=paused_s)
+        kept_by = "server" if self.server_keeps_versions() else "client"
+        return RefitResult(weight_version=served, weights_path=source, paused_s=paused_s, version_kept_by=kept_by)
+
+    def server_version(self) -> str | None:
+        """The server's vLLM release (``GET /version``, read once; a restart keeps the release),
+        or ``None`` where it does not say."""
+        if self._server_version is _UNREAD:
+            answer = self._request("GET", "/version", None, step="read the vLLM version")
+            version = answer.get("version") if isinstance(answer, dict) else None
+            self._server_version = version if isinstance(version, str) else None
+        return self._server_version  # type: ignore[return-value]
+
+    def server_keeps_versions(self) -> bool:
+        """Whether the server's vLLM keeps weight versions (0.27 and later,
+        :func:`~vllm_video_plugin.compat.has_weight_versions`). A server that does not name its
+        release counts as one that does."""
+        if self._server_keeps_versions is None:
+            version = self.server_version()
+            try:
+                keeps = version is None or compat.has_weight_versions(version)
+            except ValueError:
+                keeps = True
+            if not keeps:
+                logger.warning(
+                    "vLLM %s at %s keeps no weight versions (they came in 0.27): this refit client "
+                    "keeps the version it stamps and reports it as the served one",
+                    version,
+                    self.base_url,
+                )
+            self._server_keeps_versions = keeps
+        return self._server_keeps_versions
 
     def update_weight_version(self, version: str) -> None:
         """Stamp ``version`` on every output from now on, weights unchanged (after a step that
-        trained nothing, the served weights are the policy's already)."""
-        self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
+        trained nothing, the served weights are the policy's already). Against a server without
+        weight versions (vLLM before 0.27) only this client's record changes."""
+        if self.server_keeps_versions():
+            self._post("/update_weight_version", {"new_version": version}, step="update the weight version")
+        self._remember(version)
+
+    def _remember(self, version: str) -> None:
+        self._version = version
+        if not self.server_keeps_versions():
+            self._stamped_in = self._server_started()
+
+    def _server_started(self) -> float | None:
+        """The API server process's start time (``process_start_time_seconds`` in ``GET
+        /metrics``), or ``None`` where it is not reported (several API server processes)."""
+        text = self._request("GET", "/metrics", None, step="read the server's start time")
+        for line in str(text).splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return float(line.split()[1])
+        return None
 
     # -- vLLM's VLLMWeightSyncClient (the control plane a trainer-side engine drives) -------------
 
@@ -174,11 +243,19 @@ class RefitClient:
         self._post("/update_weights", {"update_info": body}, step="update weights")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``POST /finish_weight_update``, stamping ``weight_version`` if given (before vLLM 0.27
+        the server ignores it and only this client's record changes)."""
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._post("/finish_weight_update", body, step="finish the weight update")
+        if weight_version is not None:
+            self._remember(weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._post("/shutdown_weight_transfer_engine", step="shut the weight transfer down")
+        """``POST /shutdown_weight_transfer_engine`` (vLLM 0.32 and later; before, the route does
+        not exist and the engine lives as long as the server: nothing to do)."""
+        version = self.server_version()
+        if version is None or compat.has_shutdown_weight_transfer_route(version):
+            self._post("/shutdown_weight_transfer_engine", step="shut the weight transfer down")
 
     def resume(self) -> None:
         """Resume generation (``POST /resume``).
@@ -215,11 +292,16 @@ class RefitClient:
 
     def weight_version(self) -> str:
         """The weight version the server serves (``GET /weight_info``; ``"default"`` before any
-        refit).
+        refit); against a server without weight versions (vLLM before 0.27), the version this
+        client last stamped.
 
         Raises:
             RefitError: the server did not answer with a version.
         """
+        if not self.server_keeps_versions():
+            if self._stamped_in is not None and self._server_started() != self._stamped_in:
+                return DEFAULT_WEIGHT_VERSION  # restarted since: it serves its checkpoint again
+            return self._version
         answer = self._request("GET", "/weight_info", None, step="read the weight version")
         version = answer.get("weight_version") if isinstance(answer, dict) else None
         if not isinstance(version, str):

@@ -53,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_video_plugin import compat
 from vllm_video_plugin.buckets import BucketLayout, unpack_bucket
 from vllm_video_plugin.errors import VideoGRPOError
 
@@ -127,8 +128,9 @@ def join_group(
     rank 0 hosting the store."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+    # Before vLLM 0.32 the group takes vLLM's default timeout (compat.stateless_group_kwargs).
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
+        host, port, rank, world_size, backend="gloo", **compat.stateless_group_kwargs(timedelta(seconds=timeout_s))
     )
 
 
@@ -282,3 +284,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
             stateless_destroy_torch_distributed_process_group(self.group)
             self.group = None
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Not used: the trainer's half is :class:`rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`.
+        vLLM before 0.28 declares this abstract on every worker engine
+        (:func:`~vllm_video_plugin.compat.worker_engine_declares_trainer_send_weights`), so the
+        class must define it to be created there."""
+        raise NotImplementedError(
+            f"{GLOO_BACKEND}: send with rl_bridge.weight_sync.GlooTrainerWeightTransferEngine"
+        )

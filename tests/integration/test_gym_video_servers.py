@@ -30,6 +30,7 @@ from tests.fixtures.gym_video import (
     SEGMENTS_AGENT,
     GymVideoStack,
 )
+from vllm_video_plugin import compat
 
 pytestmark = pytest.mark.integration
 
@@ -218,11 +219,15 @@ def test_media_outside_the_root_is_refused_and_the_server_keeps_serving(
 
 
 def test_sampling_contract_reaches_vllm_as_media_io_kwargs(gym_video_stack: GymVideoStack) -> None:
-    """The session's vLLM runs without --trust-request-mm-kwargs, so it refuses the contract by name."""
+    """The session's vLLM runs without --trust-request-mm-kwargs, so it refuses the contract by name
+    (vLLM 0.31 and later; before, per-request kwargs were accepted ungated and the request is served)."""
     params = _short(gym_video_stack.mcqa_rows[0]["responses_create_params"])
     response = requests.post(
         f"{gym_video_stack.url(CONTRACT_MODEL_SERVER)}/v1/responses", json=params, timeout=60
     )
+    if not compat.request_mm_kwargs_gated():
+        assert response.status_code == 200, response.text
+        return
     assert response.status_code == 400  # vLLM's refusal passed through, not turned into a 500
     assert "Per-request media_io_kwargs are disabled" in response.text
     assert "parameter=media_io_kwargs" in response.text

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from rl_bridge.services.process import ManagedProcess, free_port, wait_for_http
+from vllm_video_plugin import compat
 
 __all__ = [
     "LOOPBACK_HOST",
@@ -43,10 +44,6 @@ LOOPBACK_HOST = "127.0.0.1"
 #: Loggers besides vLLM's own whose records go to the server log.
 _PLUGIN_LOGGERS = ("vllm_video_plugin",)
 
-# vLLM's default log line (vllm/logger.py), kept so that plugin lines read like vLLM's.
-_LOG_FORMAT = (
-    "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
-)
 
 
 class VLLMServerConfig(BaseModel):
@@ -234,20 +231,22 @@ def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[s
     return env
 
 
-def _logging_config(level: str) -> dict[str, Any]:
-    """vLLM's default logging set-up plus the plugin loggers, as a ``logging.config`` dict."""
+def _logging_config(level: str, *, vllm_version: str | None = None) -> dict[str, Any]:
+    """vLLM's default logging set-up plus the plugin loggers, as a ``logging.config`` dict, in
+    the form of the installed vLLM release (``vllm_version``: of that release instead): its
+    default log line (plugin lines read like vLLM's) and its formatter's arguments."""
     logger = {"handlers": ["vllm"], "level": level, "propagate": False}
+    formatter: dict[str, Any] = {
+        "()": "vllm.logging_utils.NewLineFormatter",
+        "format": compat.log_format(vllm_version),
+        "datefmt": "%m-%d %H:%M:%S",
+    }
+    if compat.formatter_takes_log_level(vllm_version):
+        formatter["log_level"] = level
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {
-            "vllm": {
-                "()": "vllm.logging_utils.NewLineFormatter",
-                "format": _LOG_FORMAT,
-                "datefmt": "%m-%d %H:%M:%S",
-                "log_level": level,
-            }
-        },
+        "formatters": {"vllm": formatter},
         "handlers": {
             "vllm": {
                 "class": "logging.StreamHandler",

@@ -1,7 +1,8 @@
 """The trainer's side of vLLM's structured outputs: the token masks each generated token was sampled under.
 
-A recipe may constrain decoding with vLLM's structured outputs (``rollout.action_choices``: the
-request's ``structured_outputs.choice``, e.g. "an option letter, or one well-formed tool call"),
+A recipe may constrain decoding with vLLM's structured outputs (``rollout.action_choices``: "an
+option letter, or one well-formed tool call", sent as the request's ``structured_outputs.grammar``,
+the EBNF grammar vLLM builds for a ``choice``; :func:`choice_grammar`),
 so that a random tiny model emits only valid actions while it learns which to take. vLLM applies
 the grammar's token bitmask to the logits before it samples, so the distribution it samples from
 and the logprobs it reports are the softmax over the allowed tokens of each position. That masked
@@ -12,8 +13,8 @@ another policy.
 :class:`GrammarMasks` replays a turn's generated tokens through xgrammar, the backend the loop's
 vLLM is pinned to (``--structured-outputs-config {"backend": "xgrammar"}``), built as vLLM builds
 it: the tokenizer's vocabulary at the checkpoint's vocabulary size, the stop tokens vLLM adds to a
-request (the tokenizer's EOS and the generation config's ``eos_token_id``), and the grammar vLLM
-compiles for a choice (``choice_as_grammar``). Before each token it records the bitmask xgrammar
+request (the tokenizer's EOS and the generation config's ``eos_token_id``), and the same grammar
+(:func:`choice_grammar`). Before each token it records the bitmask xgrammar
 fills (packed: bit ``j`` of int32 word ``w`` allows token ``32 * w + j``), then accepts the token.
 A token the grammar rejects means the trainer's grammar is not vLLM's: :class:`ConstraintError`,
 which the policy-input builder turns into a masked sample (``constraint_mismatch``).
@@ -33,6 +34,7 @@ __all__ = [
     "ConstraintError",
     "GrammarMasks",
     "canonical_action_tokens",
+    "choice_grammar",
     "choice_request_body",
     "unpack_bitmask",
 ]
@@ -45,9 +47,38 @@ class ConstraintError(ValueError):
     """A generated token that the replayed grammar does not allow at its position."""
 
 
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The EBNF grammar whose sentences are exactly ``choices``: what vLLM 0.31 and later compile
+    for ``structured_outputs.choice`` (``choice_as_grammar``), every string literal escaped
+    (``\\``, ``"``, newline, carriage return, tab, other control characters as ``\\uXXXX``).
+
+    The loop sends this grammar rather than the choice: vLLM before 0.31 escapes only ``"`` and
+    ``\\`` in a choice (:func:`vllm_video_plugin.compat.choice_escapes_control_characters`), so a
+    choice holding a raw newline (a hermes tool call) made a literal xgrammar refuses. A grammar
+    is compiled as given on every supported release.
+    """
+    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+
+    def literal(text: str) -> str:
+        out = []
+        for char in text:
+            if char in escapes:
+                out.append(escapes[char])
+            elif ord(char) < 0x20 or ord(char) == 0x7F:
+                out.append(f"\\u{ord(char):04x}")
+            else:
+                out.append(char)
+        return '"' + "".join(out) + '"'
+
+    if not choices:
+        raise ValueError("choice_grammar: choices must not be empty")
+    return "root ::= " + " | ".join(literal(choice) for choice in choices)
+
+
 def choice_request_body(choices: Sequence[str]) -> dict[str, Any]:
-    """The chat-completion fields that make vLLM decode exactly one of ``choices``."""
-    return {"structured_outputs": {"choice": list(choices)}}
+    """The chat-completion fields that make vLLM decode exactly one of ``choices`` (the grammar
+    of :func:`choice_grammar`)."""
+    return {"structured_outputs": {"grammar": choice_grammar(choices)}}
 
 
 def _spellings(text: str, pieces: dict[int, str]) -> int:
@@ -125,7 +156,6 @@ class GrammarMasks:
     def __init__(self, model_dir: str | Path, choices: Sequence[str]) -> None:
         import xgrammar as xgr
         from transformers import AutoTokenizer
-        from vllm.v1.structured_output.utils import choice_as_grammar
 
         if not choices:
             raise ValueError("GrammarMasks: choices must not be empty")
@@ -134,7 +164,7 @@ class GrammarMasks:
         self.vocab_size = _vocab_size(model_dir)
         self.stop_token_ids = _stop_token_ids(model_dir, tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        self._grammar = xgr.GrammarCompiler(info).compile_grammar(choice_as_grammar(list(choices)))
+        self._grammar = xgr.GrammarCompiler(info).compile_grammar(choice_grammar(list(choices)))
         self._xgr = xgr
         self._lock = threading.Lock()
 

@@ -177,3 +177,32 @@ def test_the_worker_runs_in_the_engine_process_only_when_asked_and_alone(tmp_pat
     with pytest.raises(ValueError, match="single worker, but extra_args ask for -tp 4"):
         VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("-tp", "1", "-tp=4"))
     assert VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size=1",))
+
+
+def test_a_grammar_of_tool_calls_constrains_decoding_as_the_trainer_replays_it(
+    vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    """The loop's constrained request (hermes tool calls with raw newlines, and letters) is
+    accepted and decoded into exactly one of the choices on every supported vLLM release (vLLM
+    before 0.31 could not compile such a ``choice``), and the trainer's replay of the same grammar
+    allows every token vLLM generated."""
+    from rl_bridge.loop.tasks import hermes_tool_call
+    from rl_bridge.structured_outputs import GrammarMasks, choice_request_body
+
+    choices = ["A", "B", *(hermes_tool_call("watch_segment", {"segment": k}) for k in (1, 2, 3))]
+    body = {
+        "model": vllm_server.model_name,
+        "messages": [{"role": "user", "content": "Call a tool or answer."}],
+        "max_tokens": 48,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "n": 4,
+        "seed": 1,
+        **choice_request_body(choices),
+    }
+    response = requests.post(f"{vllm_server.openai_url}/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    masks = GrammarMasks(tiny_qwen25vl, choices)
+    for choice in response.json()["choices"]:
+        assert choice["message"]["content"] in choices
+        masks.bitmasks(choice["token_ids"])  # raises ConstraintError on a token the replay forbids

@@ -17,6 +17,7 @@ from rl_bridge.structured_outputs import (
     ConstraintError,
     GrammarMasks,
     canonical_action_tokens,
+    choice_grammar,
     choice_request_body,
     unpack_bitmask,
 )
@@ -85,7 +86,28 @@ def test_a_token_the_grammar_forbids_is_a_constraint_error(tokenizer_dir: Path) 
     grammar = GrammarMasks(tokenizer_dir, CHOICES)
     with pytest.raises(ConstraintError, match="position 0"):
         grammar.bitmasks([tokenizer.convert_tokens_to_ids("D")])
-    assert choice_request_body(CHOICES) == {"structured_outputs": {"choice": CHOICES}}
+    assert choice_request_body(CHOICES) == {"structured_outputs": {"grammar": choice_grammar(CHOICES)}}
+
+
+def test_the_choice_grammar_is_vllms_own_where_vllm_escapes_choices() -> None:
+    """The grammar sent is what vLLM 0.31 and later build for the same ``choice``; older releases
+    built one with the tool calls' raw newlines inside its string literals, which xgrammar refuses
+    (the reason the loop sends the grammar)."""
+    import xgrammar as xgr
+    from vllm.v1.structured_output.utils import choice_as_grammar
+
+    from vllm_video_plugin import compat
+
+    grammar = choice_grammar(CHOICES)
+    assert "\n" not in grammar and "\\n" in grammar  # every newline escaped
+    assert grammar.count(" | ") == len(CHOICES) - 1
+    assert choice_grammar(['a"b\\c\tq\x01']) == 'root ::= "a\\"b\\\\c\\tq\\u0001"'
+    xgr.Grammar.from_ebnf(grammar)  # compiles
+    if compat.choice_escapes_control_characters():
+        assert choice_as_grammar(CHOICES) == grammar
+    else:
+        with pytest.raises(RuntimeError):
+            xgr.Grammar.from_ebnf(choice_as_grammar(CHOICES))
 
 
 def test_canonical_action_tokens_leave_one_spelling_per_action_under_the_grammar(tokenizer_dir: Path) -> None:

@@ -223,6 +223,42 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if run_checks(verbose=args.verbose) else 1
 
 
+def _cmd_wheelhouse(args: argparse.Namespace) -> int:
+    from rl_bridge.hostpack import HostSpec, build_wheelhouse, read_image_packages
+    from rl_bridge.paths import project_root
+
+    project = args.project or project_root()
+    if not (project / "pyproject.toml").is_file():
+        message = f"video-grpo wheelhouse: {project} is not a checkout of this project; pass --project"
+        print(message, file=sys.stderr)
+        return 2
+    host = HostSpec(
+        python=args.python,
+        torch=args.torch,
+        image_packages=read_image_packages(args.image_packages),
+        gpu_arch=args.gpu_arch,
+        glibc=args.glibc,
+    )
+    pip = [str(args.pip_python), "-m", "pip"] if args.pip_python else None
+    manifest = build_wheelhouse(
+        args.out,
+        host,
+        project=project,
+        vllm=args.vllm,
+        with_vllm=not args.no_vllm,
+        with_gym=not args.no_gym,
+        part_mib=args.part_mib,
+        pip=pip,
+        jobs=args.jobs,
+    )
+    sizes = {k: f"{v / 1e6:.1f} MB" for k, v in manifest["sizes"].items()}
+    vllm = (manifest.get("vllm") or {}).get("release")
+    counts = f"{len(manifest['wheels'])} wheels, {len(manifest['parts'])} parts"
+    print(f"{args.out}: vLLM {vllm}, {counts}, {sizes}")
+    print(f"on the host: {args.out.name}/install.sh PREFIX")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="video-grpo",
@@ -360,6 +396,38 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="a Gym root of your own servers (as for `gym --search-dir`); repeatable",
     )
+
+    p = add(
+        "wheelhouse",
+        _cmd_wheelhouse,
+        "Build, on a machine with network, an offline wheelhouse for a GPU host whose image has "
+        "Python and torch: vLLM for that torch, the trainer, NeMo Gym and this package, with "
+        "install.sh (docs/INSTALL.md).",
+    )
+    wsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = wsub.add_parser("build", help="write a wheelhouse into OUT", description="Write a wheelhouse into OUT.")
+    p.add_argument("out", type=Path, help="directory to write (created)")
+    p.add_argument("--python", required=True, help="the host's Python, MAJOR.MINOR (e.g. 3.12)")
+    p.add_argument("--torch", required=True, help="the host's torch version (e.g. 2.11.0)")
+    p.add_argument(
+        "--image-packages", type=Path, required=True, help="the host's `pip list` (or one name a line)"
+    )
+    p.add_argument("--vllm", default=None, help="vLLM release (default: the one that pins the host's torch)")
+    p.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    p.add_argument("--no-gym", action="store_true", help="leave the NeMo Gym set out")
+    p.add_argument(
+        "--gpu-arch",
+        default="hopper",
+        choices=["hopper", "other"],
+        help="hopper (default) leaves vLLM's FlashAttention-2 library out (Hopper uses FA3); "
+        "other keeps it (Ampere, Ada)",
+    )
+    p.add_argument("--glibc", default="2.34", help="newest manylinux glibc the host takes (default: 2.34)")
+    p.add_argument("--part-mib", type=int, default=0, help="split the wheels into parts of this many MiB")
+    p.add_argument("--project", type=Path, default=None, help="this project's checkout (default: this one)")
+    p.add_argument("--pip-python", type=Path, default=None, help="a Python whose pip does the downloads")
+    p.add_argument("--jobs", type=int, default=2, help="processes that repack wheels (default: 2)")
+    p.set_defaults(func=_cmd_wheelhouse)
 
     p = add("doctor", _cmd_doctor, "Check the environments: versions, plugin discovery, Gym interpreter.")
     p.add_argument("-v", "--verbose", action="store_true")

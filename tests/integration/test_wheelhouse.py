@@ -1,0 +1,78 @@
+"""install.sh of an offline wheelhouse (rl_bridge.hostpack), run end to end on tiny wheels: parts
+joined and checked, two venvs over the base Python, torch left alone, imports checked, re-runnable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rl_bridge.hostpack import HostSpec, Wheel, python_with_pip, write_wheelhouse
+from tests.fixtures.wheels import make_wheel
+
+pytestmark = pytest.mark.integration
+
+
+def _base_python() -> str:
+    try:
+        return python_with_pip("3.12")[0]
+    except FileNotFoundError:
+        pytest.skip("no Python 3.12 with pip and venv here")
+
+
+def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp_path: Path) -> None:
+    python = _base_python()
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [
+        (make_wheel(src, "alpha", "1.0", {"alpha/__init__.py": b"", "alpha/fa2.so": b"x" * 100}), ["main"]),
+        (make_wheel(src, "beta", "2.0", {"beta/__init__.py": b""}), ["gym"]),
+        (make_wheel(src, "shared", "0.1", {"shared/__init__.py": b""}), ["gym", "main"]),
+    ]
+    # The image's torch: a stand-in on PYTHONPATH, seen alike by the image's Python and both venvs.
+    image = tmp_path / "image"
+    (image / "torch").mkdir(parents=True)
+    (image / "torch" / "__init__.py").write_text('__version__ = "2.11.0+fake"\n')
+    host = HostSpec("3.12", "2.11.0", frozenset({"torch"}))
+    out = tmp_path / "house"
+    manifest = write_wheelhouse(
+        out,
+        host,
+        [(path, Wheel(path.name, *path.name.split("-")[:2], sets)) for path, sets in files],
+        drop={"alpha-1.0": ("alpha/fa2.so",)},
+        part_mib=1,
+        jobs=1,
+        import_checks={"main": ["alpha", "shared"], "gym": ["beta", "shared"]},
+        log=lambda _: None,
+    )
+    assert [p["file"] for p in manifest["parts"]] == ["wheels.tar.000"] and not (out / "wheels").exists()
+    assert manifest["wheels"][0]["note"].startswith("without alpha/fa2.so")
+
+    env = {**os.environ, "PYTHON": python, "PYTHONPATH": str(image)}
+    prefix = tmp_path / "prefix"
+    for _ in range(2):  # idempotent
+        run = subprocess.run(
+            [out / "install.sh", prefix], capture_output=True, text=True, env=env, timeout=120, check=False
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert f"export VIDEO_GRPO_GYM_PYTHON={prefix}/gym/bin/python" in run.stdout
+    assert "main: imports ok (alpha shared)" in run.stdout and "gym: imports ok (beta shared)" in run.stdout
+    probe = json.loads((prefix / ".torch-main.json").read_text())
+    assert probe == {"version": "2.11.0+fake", "path": str((image / "torch" / "__init__.py").resolve())}
+    main_site = next((prefix / "main" / "lib").glob("python3.12/site-packages"))
+    assert (main_site / "alpha").is_dir() and not (main_site / "alpha" / "fa2.so").exists()
+    assert not (main_site / "beta").exists() and not (prefix / ".wheelhouse").exists()
+
+    # A damaged part is refused before anything is installed.
+    part = out / "wheels.tar.000"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    part.write_bytes(bytes(data))
+    run = subprocess.run(
+        [out / "install.sh", tmp_path / "p2"], capture_output=True, text=True, env=env, timeout=120,
+        check=False,
+    )
+    assert run.returncode != 0 and "damaged" in run.stderr

@@ -63,7 +63,10 @@ WIDTH, HEIGHT, SECONDS, FPS = 640, 360, 8, 24
 MODELS = ("tiny", "qwen2.5-vl-3b")
 GPU_RECIPE = "recipes/qwen2_5_vl_3b_1gpu.yaml"
 DEFAULT_FRAMES = {"tiny": 16, "qwen2.5-vl-3b": 32}
-DEFAULT_LOADERS = {"tiny": "video_grpo,qwen2_vl,opencv", "qwen2.5-vl-3b": "video_grpo,opencv,qwen2_vl,pynvvideocodec"}
+DEFAULT_LOADERS = {
+    "tiny": "video_grpo,qwen2_vl,opencv",
+    "qwen2.5-vl-3b": "video_grpo,opencv,qwen2_vl,pynvvideocodec",
+}
 
 
 def stock_options(loader: str, frames: int) -> dict[str, Any]:
@@ -132,7 +135,9 @@ def thread_count(pid: int) -> int:
         return 0
 
 
-def burst(server: VLLMServer, clips: list[Path], timeout_s: float) -> tuple[list[float], list[str], int, int, float]:
+def burst(
+    server: VLLMServer, clips: list[Path], timeout_s: float
+) -> tuple[list[float], list[str], int, int, float]:
     """Send one request per clip at once; latencies of the answered ones, errors, hung count,
     the most API-server threads seen, and the wall time."""
 
@@ -301,10 +306,14 @@ def main() -> int:
     parser.add_argument("--model", choices=MODELS, default="tiny")
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests (distinct videos)")
     parser.add_argument("--frames", type=int, help="frames sampled per video (default: 16 tiny, 32 3B)")
-    parser.add_argument("--loaders", help="comma-separated (default: " + "; ".join(
-        f"{m}: {v}" for m, v in DEFAULT_LOADERS.items()) + ")")
+    parser.add_argument(
+        "--loaders",
+        help="comma-separated (default: " + "; ".join(f"{m}: {v}" for m, v in DEFAULT_LOADERS.items()) + ")",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="GPU only")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a request counts as hung")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a request counts as hung"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -331,13 +340,20 @@ def main() -> int:
             skipped[name] = f"failed: {str(error)[-1500:]}"
 
     device = torch.cuda.get_device_name(0) if setup.on_gpu else "CPU"
-    print(f"{args.requests} concurrent requests, one distinct {WIDTH}x{HEIGHT} {SECONDS} s H.264 clip each, "
-          f"{frames} frames sampled; {args.model} on {device}, vLLM {_vllm_version()}")
-    print(f"{'loader':<15} {'ok':>4} {'failed':>6} {'hung':>4} {'wall s':>7} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} "
-          f"{'threads idle/max':>17} {'start s':>7}")
+    print(
+        f"{args.requests} concurrent requests, one distinct {WIDTH}x{HEIGHT} {SECONDS} s H.264 clip each, "
+        f"{frames} frames sampled; {args.model} on {device}, vLLM {_vllm_version()}"
+    )
+    print(
+        f"{'loader':<15} {'ok':>4} {'failed':>6} {'hung':>4} {'wall s':>7} {'req/s':>7} "
+        f"{'p50 s':>7} {'p99 s':>7} "
+        f"{'threads idle/max':>17} {'start s':>7}"
+    )
     for r in results:
-        print(f"{r.loader:<15} {r.ok:>4} {r.failed:>6} {r.hung:>4} {r.wall_s:>7.1f} {r.requests_per_s:>7.2f} "
-              f"{r.p50_s:>7.2f} {r.p99_s:>7.2f} {f'{r.idle_threads}/{r.max_threads}':>17} {r.startup_s:>7.1f}")
+        print(
+            f"{r.loader:<15} {r.ok:>4} {r.failed:>6} {r.hung:>4} {r.wall_s:>7.1f} {r.requests_per_s:>7.2f} "
+            f"{r.p50_s:>7.2f} {r.p99_s:>7.2f} {f'{r.idle_threads}/{r.max_threads}':>17} {r.startup_s:>7.1f}"
+        )
         if r.first_error:
             print(f"  first error: {r.first_error}")
     ratios: dict[str, dict[str, float]] = {}
@@ -351,8 +367,11 @@ def main() -> int:
                 "requests_per_s": ours.requests_per_s / other.requests_per_s,
             }
             q = ratios[other.loader]
-            print(f"video_grpo / {other.loader}: wall {q['wall']:.2f}x, p50 {q['p50']:.2f}x, p99 {q['p99']:.2f}x "
-                  f"(below 1: ours is faster); requests/s {q['requests_per_s']:.2f}x (above 1: ours is faster)")
+            print(
+                f"video_grpo / {other.loader}: wall {q['wall']:.2f}x, p50 {q['p50']:.2f}x, "
+                f"p99 {q['p99']:.2f}x "
+                f"(below 1: ours is faster); requests/s {q['requests_per_s']:.2f}x (above 1: ours is faster)"
+            )
     if args.json:
         report = {
             "command": command,
@@ -367,7 +386,13 @@ def main() -> int:
                 "enforce_eager": not setup.on_gpu,
                 "requests": args.requests,
                 "frames_per_request": frames,
-                "clip": {"width": WIDTH, "height": HEIGHT, "seconds": SECONDS, "fps": FPS, "codec": "h264, bframes=3"},
+                "clip": {
+                    "width": WIDTH,
+                    "height": HEIGHT,
+                    "seconds": SECONDS,
+                    "fps": FPS,
+                    "codec": "h264, bframes=3",
+                },
             },
             "results": [r.__dict__ for r in results],
             "skipped": skipped,

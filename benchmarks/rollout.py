@@ -53,7 +53,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import ExitStack
@@ -124,7 +123,9 @@ def sampled_rows(recipe: Any, prompts: list[dict[str, Any]]) -> list[dict[str, A
     from rl_bridge.loop.controller import with_sampling
 
     r = recipe.rollout
-    return [with_sampling(p, r.temperature, r.max_output_tokens) for p in prompts for _ in range(r.group_size)]
+    return [
+        with_sampling(p, r.temperature, r.max_output_tokens) for p in prompts for _ in range(r.group_size)
+    ]
 
 
 # -- vLLM metrics --------------------------------------------------------------------------------------
@@ -154,8 +155,13 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     """The batch's share of the counters, and derived figures (per-request means, hit rates)."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) != 0}
     out: dict[str, float] = dict(sorted(delta.items()))
-    for stage in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
-                  "time_to_first_token"):
+    for stage in (
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "time_to_first_token",
+    ):
         total, count = delta.get(f"{stage}_seconds_sum"), delta.get(f"{stage}_seconds_count")
         if total is not None and count:
             out[f"{stage}_mean_s"] = total / count
@@ -238,62 +244,74 @@ def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:
 
 
 def run_server_config(
-    name: str, recipe: Any, data: Any, warmup: list[dict[str, Any]], batches: dict[str, list[dict[str, Any]]],
+    name: str,
+    recipe: Any,
+    data: Any,
+    warmup: list[dict[str, Any]],
+    batches: dict[str, list[dict[str, Any]]],
     log_root: Path,
+    *,
+    first_fallback: int = 0,
 ) -> dict[str, Any]:
-    """Start vLLM (configuration ``name``) and the Gym servers, warm up, time each batch, stop them."""
+    """Start vLLM (configuration ``name``) and the Gym servers, warm up, time each batch, stop them.
+
+    Only a vLLM start that fails moves on to the next fallback (:func:`server_config`); a Gym
+    server that does not start ends the configuration with the error."""
     from rl_bridge.paths import project_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.services.process import ServiceError
     from rl_bridge.services.vllm_server import start_vllm_server
 
     out: dict[str, Any] = {"start_failures": []}
-    for fallback in range(3):
+    for fallback in range(first_fallback, 3):
         config = server_config(recipe, data, name, fallback)
+        log_dir = log_root / f"{name}-{fallback}"
         with ExitStack() as stack:
             started = time.perf_counter()
+            server = stack.enter_context(start_vllm_server(config, log_dir=log_dir, wait=False))
+            specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
+            gym = stack.enter_context(
+                start_gym_servers(
+                    specs, run_dir=log_dir / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+                )
+            )
+            gym_ready = time.perf_counter() - started
             try:
-                server = stack.enter_context(
-                    start_vllm_server(config, log_dir=log_root / f"{name}-{fallback}", wait=False)
-                )
-                specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
-                gym = stack.enter_context(
-                    start_gym_servers(
-                        specs,
-                        run_dir=log_root / f"{name}-{fallback}" / "gym",
-                        extra_roots=[project_root() / "src"],
-                        timeout_s=600,
-                    )
-                )
-                gym_ready = time.perf_counter() - started
                 server.wait_until_healthy()
             except ServiceError as error:
                 out["start_failures"].append(str(error)[-3000:])
-                print(f"[{name}] vLLM/Gym start failed (fallback {fallback}):\n{str(error)[-1500:]}", flush=True)
+                print(f"[{name}] vLLM did not start (fallback {fallback}):\n{str(error)[-1500:]}", flush=True)
                 continue
             out["fallback"] = fallback
-            out["vllm_argv"] = server.process.argv if hasattr(server.process, "argv") else None
+            out["vllm_argv"] = server.process.argv
             out["vllm_startup_s"] = server.startup_s
             out["gym_startup_s"] = gym_ready
             out["startup_s"] = time.perf_counter() - started
+            out["log_dir"] = str(log_dir)
             print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s (Gym {gym_ready:.1f} s)", flush=True)
             agent_url = gym.url(agent)
-            started = time.perf_counter()
             warm = timed_rollouts(recipe, server.base_url, agent_url, warmup)
             out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
-            print(f"[{name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
+            print(
+                f"[{name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True
+            )
             for label, rows in batches.items():
                 out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
                 result = timed_rollouts(recipe, server.base_url, agent_url, rows)
                 out[label] = result
-                print(f"[{name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
-                      f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
-                      flush=True)
+                print(
+                    f"[{name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
+                    f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
+                    flush=True,
+                )
                 if result["first_error"]:
                     print(f"[{name}]   first error: {result['first_error'][:300]}", flush=True)
-            out["log_dir"] = str(log_root / f"{name}-{fallback}")
+                if result["ok"] < result["samples"]:
+                    out["error"] = (
+                        f"{label}: {result['samples'] - result['ok']} of {result['samples']} samples failed"
+                    )
         return out
-    out["error"] = "vLLM or the Gym servers did not start (see start_failures)"
+    out["error"] = "vLLM did not start with any fallback (see start_failures)"
     return out
 
 
@@ -438,13 +456,19 @@ def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
     if process.returncode != 0 or not result_path.is_file():
         tail = (log_root / "stock.log").read_text(errors="replace")[-3000:]
         print(f"[stock] failed (exit {process.returncode}):\n{tail[-1500:]}", flush=True)
-        return {"error": f"exit {process.returncode}", "log_tail": tail, "total_s": time.perf_counter() - started}
+        return {
+            "error": f"exit {process.returncode}",
+            "log_tail": tail,
+            "total_s": time.perf_counter() - started,
+        }
     out = json.loads(result_path.read_text())
     out["total_s"] = time.perf_counter() - started
     full = out["full"]
-    print(f"[stock] engine {out['startup_s']:.1f} s, PyAV decode {out['decode_s']:.2f} s; generate "
-          f"{full['samples']} samples in {full['wall_s']:.2f} s, {full['samples_per_s']:.2f} samples/s",
-          flush=True)
+    print(
+        f"[stock] engine {out['startup_s']:.1f} s, PyAV decode {out['decode_s']:.2f} s; generate "
+        f"{full['samples']} samples in {full['wall_s']:.2f} s, {full['samples_per_s']:.2f} samples/s",
+        flush=True,
+    )
     return out
 
 
@@ -454,8 +478,12 @@ def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
 def host_info() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cpu_count": os.cpu_count(), "hostname": platform.node()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+    }
     try:
         import vllm
 
@@ -467,18 +495,23 @@ def host_info() -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> list[str]:
-    lines = [f"{'configuration':<22} {'samples':>7} {'ok':>4} {'wall s':>8} {'samples/s':>9} {'s/sample':>9} "
-             f"{'gen tok/s':>9} {'prompt tok':>10} {'start s':>7}"]
-    rows = [("ours (full)", results.get("ours", {}).get("full"), results.get("ours", {})),
-            ("ours (seed subset)", results.get("ours", {}).get("subset"), results.get("ours", {})),
-            ("seed (subset)", results.get("seed", {}).get("subset"), results.get("seed", {})),
-            ("stock offline (full)", results.get("stock", {}).get("full"), results.get("stock", {}))]
+    lines = [
+        f"{'configuration':<22} {'samples':>7} {'ok':>4} {'wall s':>8} {'samples/s':>9} {'s/sample':>9} "
+        f"{'gen tok/s':>9} {'prompt tok':>10} {'start s':>7}"
+    ]
+    rows = [
+        ("ours (full)", results.get("ours", {}).get("full"), results.get("ours", {})),
+        ("ours (seed subset)", results.get("ours", {}).get("subset"), results.get("ours", {})),
+        ("seed (subset)", results.get("seed", {}).get("subset"), results.get("seed", {})),
+        ("stock offline (full)", results.get("stock", {}).get("full"), results.get("stock", {})),
+    ]
     for label, r, config in rows:
         if not r:
             continue
         lines.append(
             f"{label:<22} {r['samples']:>7} {r['ok']:>4} {r['wall_s']:>8.2f} {r['samples_per_s']:>9.2f} "
-            f"{r['per_sample_s']:>9.3f} {r['generated_tokens_per_s']:>9.1f} {r['prompt_tokens_per_sample']:>10.1f} "
+            f"{r['per_sample_s']:>9.3f} {r['generated_tokens_per_s']:>9.1f} "
+            f"{r['prompt_tokens_per_sample']:>10.1f} "
             f"{config.get('startup_s', float('nan')):>7.1f}"
         )
     return lines
@@ -486,6 +519,7 @@ def table(results: dict[str, Any]) -> list[str]:
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
     """Per-sample time ratios (above 1: ours is faster)."""
+
     def per_sample(config: str, batch: str) -> float | None:
         r = results.get(config, {}).get(batch)
         return r["per_sample_s"] if r else None
@@ -508,13 +542,19 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, help="prompts (rollout.prompts_per_step)")
     parser.add_argument("--group-size", type=int, help="samples per prompt (rollout.group_size)")
     parser.add_argument("--max-tokens", type=int, help="rollout.max_output_tokens")
-    parser.add_argument("--seed-samples", type=int, default=32,
-                        help="rows timed with the seed settings (the batch's first ones; default 32)")
+    parser.add_argument(
+        "--seed-samples",
+        type=int,
+        default=32,
+        help="rows timed with the seed settings (the batch's first ones; default 32)",
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. rollout.max_output_tokens=8")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted recipe overrides, e.g. rollout.max_output_tokens=8"
+    )
     args = parser.parse_args()
 
     if args.stock_worker:
@@ -538,10 +578,22 @@ def main() -> int:
     warmup = sampled_rows(recipe, [warm_row])
     subset = rows[: min(args.seed_samples, len(rows))]
     log_root = recipe.run_dir.resolve() / "bench_logs"
-    print(f"{len(prompts)} prompts x {recipe.rollout.group_size} samples, up to {recipe.rollout.max_output_tokens} "
-          f"tokens, temperature {recipe.rollout.temperature}; seed subset {len(subset)} samples; model "
-          f"{data.model_dir} (ready in {prepare_s:.1f} s)", flush=True)
+    print(
+        f"{len(prompts)} prompts x {recipe.rollout.group_size} samples, "
+        f"up to {recipe.rollout.max_output_tokens} "
+        f"tokens, temperature {recipe.rollout.temperature}; seed subset {len(subset)} samples; model "
+        f"{data.model_dir} (ready in {prepare_s:.1f} s)",
+        flush=True,
+    )
 
+    if {"ours", "seed"} & set(configs):
+        from rl_bridge.paths import gym_python
+
+        if not gym_python().is_file():
+            raise SystemExit(
+                f"no NeMo Gym interpreter at {gym_python()}: set VIDEO_GRPO_GYM_PYTHON to the Gym "
+                "environment's python (docs/INSTALL.md), or run --configs stock"
+            )
     results: dict[str, Any] = {}
     for name in configs:
         try:
@@ -550,7 +602,15 @@ def main() -> int:
                     name, recipe, data, warmup, {"subset": subset, "full": rows}, log_root
                 )
             elif name == "seed":
-                results[name] = run_server_config(name, recipe, data, warmup, {"subset": subset}, log_root)
+                results[name] = run_server_config(
+                    name,
+                    recipe,
+                    data,
+                    warmup,
+                    {"subset": subset},
+                    log_root,
+                    first_fallback=results.get("ours", {}).get("fallback", 0),
+                )
             else:
                 worker_argv = [a for a in sys.argv[1:]]
                 if "--json" in worker_argv:
@@ -567,8 +627,10 @@ def main() -> int:
     found = ratios(results)
     for key, value in found.items():
         print(f"{key}: {value:.2f}x")
-    print("(per-sample time ratios; above 1: ours is faster. Ours includes Gym, HTTP and the servers' "
-          "file decoding; stock times generate() only, on frames decoded beforehand)")
+    print(
+        "(per-sample time ratios; above 1: ours is faster. Ours includes Gym, HTTP and the servers' "
+        "file decoding; stock times generate() only, on frames decoded beforehand)"
+    )
     for name in ("ours", "seed"):
         for label in ("subset", "full"):
             m = results.get(name, {}).get(label, {}).get("vllm_metrics")

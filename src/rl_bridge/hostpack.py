@@ -27,7 +27,9 @@ and checks the imports.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import hashlib
 import json
 import os
 import re
@@ -46,12 +48,14 @@ from rl_bridge import hostcheck
 __all__ = [
     "GYM_SKIP",
     "MAIN_SKIP",
+    "METADATA_ONLY",
     "VLLM_TORCH_PINS",
     "HostSpec",
     "Wheel",
     "build_wheelhouse",
     "canonical_name",
     "join_parts",
+    "placeholder_wheel",
     "python_with_pip",
     "read_image_packages",
     "repack_wheel",
@@ -98,7 +102,7 @@ MAIN_SKIP: dict[str, str] = {
 #: that neither `gym --help` nor the Gym servers of this package import (their imports were listed
 #: from ``sys.modules`` after importing every server app and running ``gym --help``).
 GYM_SKIP: dict[str, str] = {
-    r"ray": "Gym's Ray launcher; the video servers run as plain processes",
+    r"ray": "Gym's Ray launcher (`gym env start`); the video servers declare ray_enabled = False",
     r"mlflow(-skinny|-tracing)?": "experiment tracking integration, not imported by the servers",
     r"databricks-sdk": "MLflow's Databricks client",
     r"sqlalchemy|alembic": "MLflow's tracking database",
@@ -106,6 +110,13 @@ GYM_SKIP: dict[str, str] = {
     r"virtualenv|distlib|python-discovery": "per-server venv builder; install.sh makes the venv",
     r"gunicorn": "MLflow's server",
     r"docker": "sandbox providers",
+}
+
+#: Left out but replaced by a wheel of metadata only (name -> why): nemo-gym reads Ray's version
+#: with ``importlib.metadata`` when ``nemo_gym.global_config`` is imported, although the servers
+#: never import Ray. Its module is absent, so anything that does import it fails plainly.
+METADATA_ONLY: dict[str, str] = {
+    "ray": "nemo_gym.global_config reads ray's version at import; the video servers never import ray",
 }
 
 #: Installed without their dependencies (what they need at import is in the image or the vLLM set).
@@ -236,6 +247,31 @@ def repack_wheel(src: Path, dst: Path, drop: Sequence[str] = ()) -> None:
                 out.external_attr = info.external_attr
                 out.compress_type = zipfile.ZIP_LZMA
                 zout.writestr(out, data)
+
+
+def placeholder_wheel(directory: Path, name: str, version: str, why: str) -> Path:
+    """A wheel of ``name``'s metadata only (no modules): it satisfies ``importlib.metadata``
+    lookups of a package that is deliberately not installed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dist_info = f"{name.replace('-', '_')}-{version}.dist-info"
+    summary = f"Metadata only, not {name} itself (video-grpo wheelhouse): {why}"
+    members = {
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        f"Summary: {summary}\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: video-grpo\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = [f"{path},sha256={_record_hash(d.encode())},{len(d.encode())}" for path, d in members.items()]
+    members[f"{dist_info}/RECORD"] = "\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n"
+    path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+    return path
+
+
+def _record_hash(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def _repack_if_smaller(src: Path, dst: Path, drop: tuple[str, ...]) -> bool:
@@ -444,6 +480,14 @@ def build_wheelhouse(
                 "-d", str(downloads), "-r", str(reqfile),
             )  # fmt: skip
         shutil.copy(own, downloads)
+        # Placeholders by file: another set may hold the real wheel of the same name and version.
+        placeholders: dict[Path, list[str]] = {}
+        for entry in plan.skipped:
+            if entry["name"] in METADATA_ONLY:
+                why = METADATA_ONLY[entry["name"]]
+                path = placeholder_wheel(work / "placeholders", entry["name"], entry["version"], why)
+                placeholders.setdefault(path, []).append(entry["set"])
+                entry["reason"] += "; a wheel of its metadata only is installed instead"
 
         membership: dict[tuple[str, str], list[str]] = {}
         for wheel_set, chosen in plan.sets.items():
@@ -461,6 +505,10 @@ def build_wheelhouse(
             if sets is None:
                 raise RuntimeError(f"pip downloaded {path.name}, which no resolution asked for")
             files.append((path, Wheel(path.name, name, version, sorted(set(sets)))))
+        for path, sets in placeholders.items():
+            name, version = _wheel_name_version(path.name)
+            note = "metadata only: a placeholder, see skipped"
+            files.append((path, Wheel(path.name, name, version, sorted(sets), note=note)))
         missing = set(membership) - {(w.name, w.version) for _, w in files}
         if missing:
             raise RuntimeError(f"no wheel downloaded for {sorted(missing)}")
@@ -646,8 +694,10 @@ for set in main gym; do
   venv=$prefix/$set
   [ -x "$venv/bin/python" ] || "$python" -m venv --system-site-packages --without-pip "$venv"
   echo "installing ${#wheels[@]} wheels into $venv"
-  "$venv/bin/python" -m pip install --isolated --no-index --no-deps --disable-pip-version-check -q \
-    "${wheels[@]}"
+  # --ignore-requires-python: nemo-gym declares a newer Python than it needs (the wheels were chosen
+  # for this Python when the wheelhouse was built).
+  "$venv/bin/python" -m pip install --isolated --no-index --no-deps --ignore-requires-python \
+    --disable-pip-version-check -q "${wheels[@]}"
   "$venv/bin/python" "$here/hostcheck.py" probe-torch > "$prefix/.torch-$set.json"
   check same-torch "$prefix/.torch-image.json" "$prefix/.torch-$set.json" \
     || die "installing into $venv changed torch (see above); remove $venv and report this"

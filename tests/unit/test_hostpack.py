@@ -3,6 +3,7 @@ left out, wheel repacking, parts and the torch check (install.sh: tests/integrat
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import os
 import zipfile
 from pathlib import Path
@@ -18,6 +19,7 @@ from rl_bridge.hostpack import (
     _Plan,
     _select,
     join_parts,
+    placeholder_wheel,
     read_image_packages,
     repack_wheel,
     skip_reason,
@@ -134,6 +136,16 @@ def test_repack_wheel_drops_a_member_rewrites_record_and_uses_lzma(tmp_path: Pat
         assert zf.read("pkg/__init__.py") == b"x = 1\n"
     with pytest.raises(FileNotFoundError, match="has no pkg/absent"):
         repack_wheel(src, dst, drop=["pkg/absent"])
+
+
+def test_placeholder_wheel_holds_metadata_only(tmp_path: Path) -> None:
+    wheel = placeholder_wheel(tmp_path, "ray", "2.60.0", "read at import, never imported")
+    assert wheel.name == "ray-2.60.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        assert all(name.startswith("ray-2.60.0.dist-info/") for name in zf.namelist())
+        zf.extractall(tmp_path / "site")
+    (dist,) = metadata.distributions(path=[str(tmp_path / "site")])
+    assert dist.version == "2.60.0" and "Metadata only" in dist.metadata["Summary"]
 
 
 def test_split_and_join_parts_round_trip(tmp_path: Path) -> None:

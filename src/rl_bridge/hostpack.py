@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rl_bridge import hostcheck
+from vllm_video_plugin.compat import ipc_engine_imports_ray
 
 __all__ = [
     "GYM_SKIP",
@@ -123,6 +124,10 @@ METADATA_ONLY: dict[str, str] = {
 TRAINER_NO_DEPS: dict[str, str] = {"megatron-core": "0.19.2", "megatron-bridge": "0.6.2"}
 #: Resolved with their dependencies into the main set; versions from ``envs/main/uv.lock`` where it has them.
 TRAINER_PINS: dict[str, str] = {"av": "19.0.2", "omegaconf": "2.4.0"}
+
+#: Ray for the main set where vLLM's ``ipc`` engine imports it (see
+#: :func:`vllm_video_plugin.compat.ipc_engine_imports_ray`); ``envs/main/uv.lock``'s version first.
+RAY_FALLBACK = "2.60.0"
 
 NEMO_GYM = "nemo-gym==0.7.0"
 #: Published as source only at the version Gym's dependencies pin (hydra-core 1.3: antlr4 4.9.*):
@@ -454,6 +459,8 @@ def build_wheelhouse(
         torch_pin = f"torch=={host.torch_release}"
         trainer = [f"{n}=={main_pins.get(n, v)}" for n, v in TRAINER_PINS.items()]
         main_reqs = [*own_reqs, *trainer] + ([f"vllm=={release}"] if release else [])
+        if release and ipc_engine_imports_ray(release):  # the colocated refit's engine needs it there
+            main_reqs.append(f"ray=={main_pins.get('ray', RAY_FALLBACK)}")
         log(f"resolving the main set for Python {host.python}: {', '.join(main_reqs[-3:])} ...")
         _select(plan, "main", _resolve(pip, host, main_reqs, work, "main", [torch_pin]), host, MAIN_SKIP)
         plan.no_deps = [(n, main_pins.get(n, v)) for n, v in TRAINER_NO_DEPS.items()]

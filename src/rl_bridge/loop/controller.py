@@ -41,6 +41,20 @@ from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
 from vllm_video_plugin.refit import PauseMode
 
 
+def sync_row_order(num_rows: int, seed: int) -> Iterator[int]:
+    """The sync loop's data order: training row indices, pass after pass without end, each pass a
+    fresh shuffle by one ``random.Random(seed)``, taken from the end of the shuffled list.
+
+    (The async loop's order is :class:`rl_bridge.loop.replay.DataOrder`.)
+    """
+    rng = random.Random(seed)
+    while True:
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        while order:
+            yield order.pop()
+
+
 @dataclass
 class StepBatch:
     """The policy samples of one step, by group (one group: the G rollouts of one prompt)."""
@@ -61,7 +75,7 @@ class StepBatch:
         self.groups += other.groups
         self.zero_signal += other.zero_signal
 
-__all__ = ["MASKED_ROWS_FILE", "Controller", "StepBatch", "timed", "with_sampling"]
+__all__ = ["MASKED_ROWS_FILE", "Controller", "StepBatch", "sync_row_order", "timed", "with_sampling"]
 
 MASKED_ROWS_FILE = "masked_rows.jsonl"
 """Run-directory file with one JSON line per masked row: ``task_id``, ``reason`` (the
@@ -200,21 +214,14 @@ class Controller:
             max_store_bytes=recipe.train.media_store_mb * 1024**2,
         )
         self.loss = GRPOPolicyLoss(recipe.train.loss)
-        self._order: list[int] = []
-        self._rng = random.Random(recipe.seed)
+        self._rows = sync_row_order(len(data.train_rows), recipe.seed)
         self._minibatch_rng = random.Random(recipe.seed + 1)
 
     # -- data ----------------------------------------------------------------------------------------
 
     def next_prompts(self) -> list[dict[str, Any]]:
         """The next ``prompts_per_step`` training rows; each pass over the rows is reshuffled."""
-        chosen = []
-        for _ in range(self.recipe.rollout.prompts_per_step):
-            if not self._order:
-                self._order = list(range(len(self.data.train_rows)))
-                self._rng.shuffle(self._order)
-            chosen.append(self.data.train_rows[self._order.pop()])
-        return chosen
+        return [self.data.train_rows[next(self._rows)] for _ in range(self.recipe.rollout.prompts_per_step)]
 
     # -- stages ------------------------------------------------------------------------------------
 

@@ -245,6 +245,11 @@ def with_bad_media(
 ) -> list[dict[str, Any]]:
     """``rows`` with ``round(fraction * len(rows))`` of them, chosen with ``seed``, pointing at bad media.
 
+    The choice draws from ``random.Random(f"{seed}/bad_rows")``, a stream of its own: the loops
+    order the rows with ``random.Random(recipe.seed)`` (sync) or ``f"{seed}/{pass}"`` (async), and
+    with a shared integer seed the first pass of the sync order would visit exactly the chosen rows
+    first (``Random.sample`` and ``shuffle`` then ``pop`` draw the same indices).
+
     The bad files are the corpus of :func:`gym_video_env.synthetic.bad_inputs.write_bad_inputs`
     (written under ``media_root/subdir``) whose video every layer refuses (truncated, zero-length,
     audio-only, no decodable frame, over the pixel budget, unknown codec, not a video), plus a
@@ -275,7 +280,7 @@ def with_bad_media(
     faults.append((_MISSING_FILE, f"{subdir}/videos/{_MISSING_FILE}.mp4"))
     rank = {case: position for position, case in enumerate(_FAULT_ORDER)}
     faults.sort(key=lambda fault: rank.get(fault[0], len(rank)))
-    chosen = sorted(random.Random(seed).sample(range(len(rows)), count))
+    chosen = sorted(random.Random(f"{seed}/bad_rows").sample(range(len(rows)), count))
     out = list(rows)
     for turn, index in enumerate(chosen):
         case, reference = faults[turn % len(faults)]

@@ -158,6 +158,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rl_bridge.loop.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    from rl_bridge.console import capture
+
+    capture()  # third-party output into the run's log, this project's lines on the console
     if recipe.mode == "async":
         from rl_bridge.loop.async_grpo import run_async
 

@@ -113,9 +113,11 @@ GYM_SKIP: dict[str, str] = {
     r"docker": "sandbox providers",
 }
 
-#: Left out but replaced by a wheel of metadata only (name -> why): nemo-gym reads Ray's version
-#: with ``importlib.metadata`` when ``nemo_gym.global_config`` is imported, although the servers
-#: never import Ray. Its module is absent, so anything that does import it fails plainly.
+#: Left out but needed by name (name -> why): nemo-gym reads Ray's version with
+#: ``importlib.metadata`` when ``nemo_gym.global_config`` is imported, although the servers never
+#: import Ray. Where another set carries the same version (the main set for vLLM 0.26, whose ipc
+#: engine imports Ray) that real wheel is installed, at no extra size; otherwise a wheel of its
+#: metadata only, whose module is absent, so anything that does import it fails plainly.
 METADATA_ONLY: dict[str, str] = {
     "ray": "nemo_gym.global_config reads ray's version at import; the video servers never import ray",
 }
@@ -487,15 +489,6 @@ def build_wheelhouse(
                 "-d", str(downloads), "-r", str(reqfile),
             )  # fmt: skip
         shutil.copy(own, downloads)
-        # Placeholders by file: another set may hold the real wheel of the same name and version.
-        placeholders: dict[Path, list[str]] = {}
-        for entry in plan.skipped:
-            if entry["name"] in METADATA_ONLY:
-                why = METADATA_ONLY[entry["name"]]
-                path = placeholder_wheel(work / "placeholders", entry["name"], entry["version"], why)
-                placeholders.setdefault(path, []).append(entry["set"])
-                entry["reason"] += "; a wheel of its metadata only is installed instead"
-
         membership: dict[tuple[str, str], list[str]] = {}
         for wheel_set, chosen in plan.sets.items():
             for pv in chosen:
@@ -504,6 +497,21 @@ def build_wheelhouse(
             membership.setdefault(pv, []).append("main")
         own_name, own_version = _wheel_name_version(own.name)
         membership[(own_name, own_version)] = ["main", "gym"] if with_gym else ["main"]
+        # A package left out of one set but needed by name (METADATA_ONLY): the real wheel when
+        # another set carries the same version (it costs no bytes), else a wheel of its metadata.
+        placeholders: dict[Path, list[str]] = {}
+        for entry in list(plan.skipped):
+            if entry["name"] not in METADATA_ONLY:
+                continue
+            key = (entry["name"], entry["version"])
+            if key in membership:
+                membership[key].append(entry["set"])
+                plan.skipped.remove(entry)
+                continue
+            why = METADATA_ONLY[entry["name"]]
+            path = placeholder_wheel(work / "placeholders", entry["name"], entry["version"], why)
+            placeholders.setdefault(path, []).append(entry["set"])
+            entry["reason"] += "; a wheel of its metadata only is installed instead"
 
         files = []
         for path in sorted(downloads.glob("*.whl")):

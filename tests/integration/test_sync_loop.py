@@ -107,3 +107,20 @@ def test_run_writes_curves_tensorboard_checkpoint_and_summary(run: tuple[dict, l
     assert (run_dir / "checkpoint" / "meta.json").is_file()
     assert summary["mode"] == "sync" and summary["steps"] == STEPS
     assert set(summary["mean_stage_time_s"]) == {"rollout", "preprocess", "logprobs", "train", "refit", "step"}
+
+
+# The console before the first progress bar: the project's own lines only (what it trains, the run
+# directory and its log, the checkpoint, the task, what it starts and when it is up), about 6.
+QUIET_START_LINES = 15
+
+
+def test_the_start_is_quiet_and_the_rest_is_in_the_run_log(run: tuple[dict, list[dict], Path]) -> None:
+    _, _, run_dir = run
+    console = (run_dir.parent / "train.log").read_text(errors="replace")
+    before_bar = console.split("grpo:", 1)[0].splitlines()
+    assert len(before_bar) <= QUIET_START_LINES, "\n".join(before_bar)
+    assert all(line.startswith("[video-grpo] ") for line in before_bar), "\n".join(before_bar)
+    assert "Traceback" not in console and "Warning" not in console
+    # Nothing is dropped: Megatron's parameter list and the libraries' warnings are in the run log.
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "Params for bucket" in log and "UserWarning" in log

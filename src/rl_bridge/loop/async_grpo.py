@@ -44,12 +44,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rl_bridge.console import attach_run_log, stdout_to_run_log
 from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, write_curves
-from rl_bridge.loop.report import RunReport
+from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
 from rl_bridge.loop.roles import start_roles
+from rl_bridge.loop.rundir import new_run_dir, resumable_run_dir
 from rl_bridge.loop.tasks import prepare_task
 from rl_bridge.rollout import ROLLOUT_OUTCOMES, RolloutResult
 
@@ -138,16 +140,19 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return max(candidates, key=lambda p: int(p.name.removeprefix("step-")))
 
 
-def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
+def run_async(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run ``recipe`` asynchronously (see the module docstring); returns the summary also written
     to ``summary.json``.
 
     Args:
         recipe: the run; ``recipe.async_`` holds the async settings.
         resume: continue the run in ``recipe.run_dir`` from its latest checkpoint instead of
-            starting afresh (which deletes ``run_dir``).
+            starting afresh.
+        overwrite: start afresh over an earlier run in ``recipe.run_dir`` (else it is refused).
 
     Raises:
+        rl_bridge.loop.rundir.RunDirError: ``recipe.run_dir`` holds an earlier run (without
+            ``resume`` or ``overwrite``) or files of no run; ``resume`` and no run there.
         FileNotFoundError: ``resume`` and the run directory has no checkpoint.
         ValueError: ``resume`` with a recipe whose seed, task or model differ from the
             checkpointed run's.
@@ -156,21 +161,20 @@ def run_async(recipe: Recipe, *, resume: bool = False) -> dict[str, Any]:
         vllm_video_plugin.refit.RefitError: a refit failed.
     """
     recipe.require_hardware()  # before an old run directory is touched
-    run_dir = recipe.run_dir.resolve()
     checkpoint: Path | None = None
     if resume:
+        run_dir = resumable_run_dir(recipe.run_dir)
         checkpoint = latest_checkpoint(run_dir)
         _check_resumable(json.loads((run_dir / "recipe.json").read_text()), recipe)
     else:
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
+        run_dir = new_run_dir(recipe.run_dir, overwrite=overwrite, resumable=True)
     (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2, by_alias=True))
+    announce_run(recipe, run_dir, attach_run_log(run_dir))
     settings = recipe.async_
     started = time.monotonic()
     with ExitStack() as stack:
         setup: dict[str, float] = {}
-        with timed("setup", setup):
+        with timed("setup", setup), stdout_to_run_log():
             data = prepare_task(recipe)
             controller = Controller(recipe, data, start_roles(recipe, data, stack))
             order = DataOrder(num_rows=len(data.train_rows), seed=recipe.seed, epochs=settings.epochs)

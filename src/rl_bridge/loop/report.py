@@ -9,9 +9,11 @@ sampled reward and the latest held-out accuracy; and writes ``summary.json``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -20,7 +22,30 @@ from rl_bridge.loop.config import Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, resident_mb, step_totals
 
-__all__ = ["RunReport"]
+__all__ = ["RunReport", "announce_run"]
+
+logger = logging.getLogger(__name__)
+
+
+def announce_run(recipe: Recipe, run_dir: Path, log: Path | None) -> None:
+    """The run's first console lines: what it trains, where, and where this process's log is."""
+    model = recipe.model
+    where = (
+        f"{model.vllm_gpus} vLLM + {model.policy_gpus} policy GPU(s), {model.placement}"
+        if model.num_gpus
+        else "CPU"
+    )
+    what = model.path or f"tiny random-weight {model.family} (built locally)"
+    logger.info(
+        "%s GRPO, %d steps of %d prompts x %d samples: %s on %s",
+        recipe.mode,
+        recipe.train.steps,
+        recipe.rollout.prompts_per_step,
+        recipe.rollout.group_size,
+        what,
+        where,
+    )
+    logger.info("run directory %s%s", run_dir, f"; trainer log {log}" if log is not None else "")
 
 
 class RunReport:

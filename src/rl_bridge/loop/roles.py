@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
 __all__ = ["PolicyHandle", "Roles", "replica_server", "start_local_roles", "start_roles", "vllm_config"]
+
+logger = logging.getLogger(__name__)
 
 
 class PolicyHandle(Protocol):
@@ -191,6 +195,13 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     run_dir = recipe.run_dir.resolve()
     config = vllm_config(recipe, data)
     several = len(plan.vllm) > 1
+    started = time.monotonic()
+    logger.info(
+        "starting %d vLLM server(s), the Gym servers and %d policy rank(s); their logs: %s",
+        len(plan.vllm),
+        len(plan.policy),
+        run_dir / "logs",
+    )
     servers = []
     for replica in plan.vllm:
         pinned, name = replica_server(config, replica, several=several)
@@ -219,6 +230,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     policy, reference = _start_local_policy(recipe, data, plan, stack)
     for server in servers:
         server.wait_until_healthy()
+    logger.info("vLLM, Gym and the policy are up (%.0f s)", time.monotonic() - started)
     supervisor = ServiceSupervisor(servers, RestartPolicy(crash_budget=recipe.rollout.crash_budget))
     stack.enter_context(supervisor.watch())
     return Roles(

@@ -22,38 +22,43 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from contextlib import ExitStack
 from typing import Any
 
+from rl_bridge.console import attach_run_log, stdout_to_run_log
 from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import DeviceMemoryMonitor, RunMetrics, write_curves
-from rl_bridge.loop.report import RunReport
+from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.roles import start_roles
+from rl_bridge.loop.rundir import new_run_dir
 from rl_bridge.loop.tasks import prepare_task
 
 __all__ = ["run_sync"]
 
 
-def run_sync(recipe: Recipe) -> dict[str, Any]:
+def run_sync(recipe: Recipe, *, overwrite: bool = False) -> dict[str, Any]:
     """Run ``recipe`` (see the module docstring); returns the summary also written to ``summary.json``.
 
+    Args:
+        recipe: the run.
+        overwrite: replace an earlier run in ``recipe.run_dir`` (else it is refused).
+
     Raises:
+        rl_bridge.loop.rundir.RunDirError: ``recipe.run_dir`` holds an earlier run (without
+            ``overwrite``) or files of no run.
         rl_bridge.services.process.ServiceError: a server did not start.
         vllm_video_plugin.refit.RefitError: a refit failed.
     """
     recipe.require_hardware()  # before an old run directory is touched
-    run_dir = recipe.run_dir.resolve()
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    run_dir = new_run_dir(recipe.run_dir, overwrite=overwrite)
     (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2, by_alias=True))
+    announce_run(recipe, run_dir, attach_run_log(run_dir))
     started = time.monotonic()
     with ExitStack() as stack:
         setup: dict[str, float] = {}
-        with timed("setup", setup):
+        with timed("setup", setup), stdout_to_run_log():
             data = prepare_task(recipe)
             controller = Controller(recipe, data, start_roles(recipe, data, stack))
         metrics = RunMetrics(run_dir)

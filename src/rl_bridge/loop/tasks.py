@@ -26,6 +26,7 @@ Two environments (:attr:`~rl_bridge.loop.config.TaskSection.environment`):
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ __all__ = [
     "task_rows",
     "with_bad_media",
 ]
+
+logger = logging.getLogger(__name__)
 
 MODEL_SERVER = "policy_model"
 AGENT_SERVER = "task_agent"
@@ -448,11 +451,20 @@ def prepare_task(recipe: Recipe) -> TaskData:
     """
     media_root = recipe.run_dir.resolve() / "media"
     model_dir = checkpoint_dir(recipe.model)
+    logger.info("checkpoint %s", model_dir)
     task = recipe.task
     train_rows = task_rows(task, media_root, task.train_rows, seed=task.seed, subdir="train")
     if task.bad_row_fraction:
         train_rows = with_bad_media(train_rows, task.bad_row_fraction, media_root, seed=task.seed)
     val_rows = task_rows(task, media_root, task.val_rows, seed=task.seed + 1, subdir="val", held_out=True)
+    logger.info(
+        "task %s (%s): %d training and %d held-out rows, clips in %s",
+        task.name,
+        task.environment,
+        len(train_rows),
+        len(val_rows),
+        media_root,
+    )
     action_tokens = None
     if recipe.rollout.canonical_actions:
         from rl_bridge.structured_outputs import canonical_action_tokens

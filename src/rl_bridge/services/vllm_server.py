@@ -210,6 +210,9 @@ def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[s
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
         "VLLM_LOGGING_LEVEL": config.log_level,
+        # The server logs through its own config even where the trainer turned vLLM's off
+        # (rl_bridge.console: the trainer routes vLLM's records into its run log instead).
+        "VLLM_CONFIGURE_LOGGING": "1",
         "VLLM_LOGGING_CONFIG_PATH": str(logging_config_path),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every GPU figure of the project on one GPU host (one H200 or larger), from the repository root, on a
+# host installed offline from the wheelhouse (docs/INSTALL.md):
+#
+#   benchmarks/gpu_host.sh PREFIX OUT [JOB...]
+#
+# PREFIX is install.sh's prefix (PREFIX/main: vLLM + trainer, PREFIX/gym: NeMo Gym); OUT gets one log
+# per job, the JSON figures and the runs' summaries and metrics. Jobs, in order (default: all):
+#   sanity     examples/serve_and_query.py: vLLM CUDA with this plugin, a video and a frame manifest
+#   tiny_bf16  the embedded default recipe colocated on the GPU in bf16 (vLLM CUDA, Megatron, sleep
+#              mode, in-memory ipc refit), until held-out accuracy >= 0.9; token mismatch per step
+#   tiny_fp32  the same in fp32, 2 steps: the mismatch at full precision
+#   r3b        recipes/qwen2_5_vl_3b_1gpu.yaml: 5 steps of the 3B-shaped model, stage by stage
+#   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
+#   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
+#   load_tiny  the same with the tiny model
+# Each job has a time limit and a failure does not stop the next. About 30 minutes in all (estimate).
+set -u
+prefix=${1:?usage: gpu_host.sh PREFIX OUT [JOB...]}
+out=${2:?usage: gpu_host.sh PREFIX OUT [JOB...]}
+shift 2
+jobs=("$@")
+[ ${#jobs[@]} -gt 0 ] || jobs=(sanity tiny_bf16 tiny_fp32 r3b rollout load_3b load_tiny)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+# Never NVLink multicast on shared hosts; vLLM 0.26's FlashInfer sampler JIT costs ~2 min a start.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VIDEO_GRPO_GYM_PYTHON=$prefix/gym/bin/python
+export PATH=$prefix/main/bin:$PATH
+py=$prefix/main/bin/python
+
+job() {  # job NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo "=== $name start $(date +%T)" | tee -a "$out/progress"
+  t0=$(date +%s)
+  timeout -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s; GPU memory in use after: $(nvidia-smi \
+    --query-gpu=memory.used --format=csv,noheader)" | tee -a "$out/progress"
+}
+keep_run() {  # keep_run RUN_DIR NAME: the run's summary and metrics into OUT
+  cp "$1/summary.json" "$out/$2_summary.json" 2>/dev/null
+  cp "$1/metrics.jsonl" "$out/$2_metrics.jsonl" 2>/dev/null
+}
+tiny() {  # tiny DTYPE OVERRIDES...: the default recipe, colocated on one GPU
+  local dtype=$1
+  shift
+  video-grpo train --overwrite run_dir="runs/tiny_gpu_$dtype" model.vllm_gpus=1 model.policy_gpus=1 \
+    model.placement=colocated model.dtype="$dtype" refit.transport=memory \
+    model.vllm_gpu_memory_utilization=0.3 "$@"
+  local rc=$?
+  keep_run "runs/tiny_gpu_$dtype" "tiny_$dtype"
+  return $rc
+}
+r3b() {
+  video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml
+  local rc=$?
+  keep_run runs/qwen2_5_vl_3b_1gpu qwen2_5_vl_3b_1gpu
+  return $rc
+}
+
+{ nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; } \
+  > "$out/host.txt" 2>&1
+for name in "${jobs[@]}"; do
+  case $name in
+    sanity) job sanity 300 "$py" examples/serve_and_query.py ;;
+    tiny_bf16) job tiny_bf16 600 tiny bfloat16 validation.stop_at_target=true ;;
+    tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
+    r3b) job r3b 900 r3b ;;
+    rollout) job rollout 900 "$py" benchmarks/rollout.py --json "$out/rollout_h200.json" ;;
+    load_3b) job load_3b 600 "$py" benchmarks/load.py --model qwen2.5-vl-3b --loaders video_grpo,opencv \
+      --json "$out/load_h200_3b.json" ;;
+    load_tiny) job load_tiny 480 "$py" benchmarks/load.py --model tiny --frames 32 --loaders video_grpo,opencv \
+      --json "$out/load_h200_tiny.json" ;;
+    *) echo "unknown job $name" >&2; exit 2 ;;
+  esac
+done
+echo "=== done $(date +%T)" | tee -a "$out/progress"

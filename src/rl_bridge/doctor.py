@@ -68,19 +68,33 @@ def _run(name: str, probe: Callable[[], str]) -> Check:
 
 
 def run_checks(*, verbose: bool = False) -> bool:
-    """Run every check, print one line per check, return whether all passed."""
-    checks = [
-        _run("torch", _version_of("torch")),
-        _run("transformers", _version_of("transformers")),
-        _run("av (PyAV)", _version_of("av")),
-        _run("vllm", _version_of("vllm")),
-        _run("vllm plugin entry point", _vllm_plugin_entry_point),
-        _run("megatron.core", _version_of("megatron.core")),
-        _run("megatron.bridge", _megatron_bridge),
-        _run("gym environment", _gym_env),
-    ]
+    """Run every check, print one line per check, return whether all passed.
+
+    What the libraries print while they are imported (Apex and Transformer Engine fallbacks,
+    Megatron-Bridge's optional-symbol tracebacks) goes to ``.cache/doctor/logs/trainer.log``, named
+    under the table; ``verbose`` leaves it on the console and prints each check's whole detail."""
+    from rl_bridge.console import attach_run_log, capture, stdout_to_run_log
+    from rl_bridge.paths import cache_dir
+
+    log = None
+    if not verbose:
+        capture()
+        log = attach_run_log(cache_dir("doctor"))
+    with stdout_to_run_log():
+        checks = [
+            _run("torch", _version_of("torch")),
+            _run("transformers", _version_of("transformers")),
+            _run("av (PyAV)", _version_of("av")),
+            _run("vllm", _version_of("vllm")),
+            _run("vllm plugin entry point", _vllm_plugin_entry_point),
+            _run("megatron.core", _version_of("megatron.core")),
+            _run("megatron.bridge", _megatron_bridge),
+            _run("gym environment", _gym_env),
+        ]
     width = max(len(c.name) for c in checks)
     for c in checks:
         detail = c.detail if (verbose or not c.ok) else c.detail.splitlines()[0][:100]
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<{width}}  {detail}")
+    if log is not None:
+        print(f"(what the libraries printed while importing: {log})")
     return all(c.ok for c in checks)

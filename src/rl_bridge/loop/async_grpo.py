@@ -47,7 +47,7 @@ from typing import Any
 from rl_bridge.console import attach_run_log, stdout_to_run_log
 from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import RunMetrics, write_curves
+from rl_bridge.loop.metrics import RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
 from rl_bridge.loop.roles import start_roles
@@ -262,7 +262,12 @@ def run_async(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) 
         final_checkpoint = _save_checkpoint(run_dir, step, controller, buffer)
         controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
         serving = controller.serving_summary()
-        write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
+        write_curves(
+            metrics.history,
+            run_dir / "curves.png",
+            chance=1.0 / recipe.task.num_options,
+            title=curves_title(recipe, run_dir),
+        )
 
     return report.summary(
         steps=step,

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGES", "DeviceMemoryMonitor", "RunMetrics", "read_metrics", "resident_mb", "step_totals", "write_curves"]
+__all__ = ["STAGES", "DeviceMemoryMonitor", "RunMetrics", "curves_title", "read_metrics", "resident_mb", "step_totals", "write_curves"]
 
 #: The timed stages of a step, in order (``time/<stage>_s`` metrics). A colocated GPU run also
 #: times ``sleep``, ``release`` and ``wake`` (:meth:`.controller.Controller.sleeping_generation`).
@@ -59,63 +59,144 @@ def _series(history: Sequence[Mapping[str, float]], name: str) -> tuple[list[flo
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def write_curves(history: Sequence[Mapping[str, float]], out: Path, *, chance: float | None = None) -> Path:
-    """Draw the run's curves into one PNG: reward and validation accuracy, vLLM/trainer mismatch,
-    masked and failed rows, and the step time per stage (stacked)."""
+#: Plain-language names of the metrics the curves show.
+_LABELS: dict[str, str] = {
+    "val/accuracy": "held-out accuracy (greedy)",
+    "warm_start/before/val/accuracy": "held-out accuracy before the warm start",
+    "warm_start/before/val/tool_call_precision": "held-out calls to the named segment, before the warm start",
+    "val/tool_call_precision": "held-out calls to the named segment (greedy)",
+    "rollout/tool_call_precision": "sampled calls to the named segment",
+    "rollout/reward_mean": "mean reward of the step's samples",
+    "rollout/accuracy": "sampled answers that are correct",
+    "mismatch/token_mult_prob_error": "per token: mean of exp(|logprob difference|)",
+    "mismatch/seq_mult_prob_error_max": "worst sequence: exp(|sum of logprob differences|)",
+    "preprocess/masked": "samples masked (all reasons)",
+    "rollout/retries": "rollouts retried",
+    "rollout/redispatches": "rollouts sent again after a vLLM restart",
+    "rollout/server_restarts": "vLLM restarts",
+    "rollout/crashed_server": "prompts that crashed vLLM",
+    "gpu/device_peak_used_gib": "GPU 0, every process (peak)",
+    "gpu/policy_peak_allocated_gib": "policy tensors (peak)",
+    "gpu/policy_peak_reserved_gib": "policy allocator (peak)",
+}
+
+
+def curves_title(recipe: Any, run_dir: Path) -> str:
+    """The curves' title: the run directory's name, the mode, the model, the task and the batch."""
+    model = recipe.model.path or f"tiny {recipe.model.family}"
+    r = recipe.rollout
+    return (
+        f"{run_dir.name}: {recipe.mode} GRPO, {model}, task {recipe.task.name} ({recipe.task.environment}), "
+        f"{r.prompts_per_step} prompts x {r.group_size} samples a step"
+    )
+
+
+def _label(name: str) -> str:
+    if name.startswith("masked/"):
+        return "masked: " + name.removeprefix("masked/").replace("_", " ")
+    return _LABELS.get(name, name)
+
+
+def write_curves(
+    history: Sequence[Mapping[str, float]], out: Path, *, chance: float | None = None, title: str | None = None
+) -> Path:
+    """Draw the run's curves into one PNG, titled ``title`` (the run and its recipe): held-out
+    accuracy, the sampled reward, vLLM/trainer probability error, masked and failed rollouts, the
+    step time per stage (stacked) and, on GPUs, memory. Steps are whole numbers; a panel without
+    data says so instead of drawing an empty axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    ax = axes[0][0]
-    ax.plot(*_series(history, "rollout/reward_mean"), label="train reward (sampled)")
-    ax.plot(*_series(history, "val/accuracy"), marker="o", label="held-out accuracy (greedy)")
-    for name, label, style in (
-        ("warm_start/before/val/accuracy", "held-out accuracy before the warm start", "x"),
-        ("warm_start/before/val/tool_call_precision", "held-out calls to the named segment before it", "+"),
-        ("val/tool_call_precision", "held-out calls to the named segment (greedy)", "s--"),
-        ("rollout/tool_call_precision", "sampled calls to the named segment", ":"),
-    ):
-        steps, values = _series(history, name)
-        if values:
-            ax.plot(steps, values, style, label=label)
-    if chance is not None:
-        ax.axhline(chance, color="gray", linestyle=":", label="chance")
-    ax.set(title="Reward", xlabel="step", ylim=(-0.02, 1.02))
-    ax.legend(fontsize="small")
-    ax = axes[0][1]
-    for name in ("mismatch/token_mult_prob_error", "mismatch/seq_mult_prob_error_max"):
-        ax.plot(*_series(history, name), marker=".", label=name.removeprefix("mismatch/"))
-    ax.set(title="vLLM vs trainer probability error (1 = identical)", xlabel="step")
-    ax.legend()
-    ax = axes[1][0]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    panels = iter(axes.flat)
+
+    def lines(ax, names: Sequence[str], *, style: str = ".-") -> bool:  # type: ignore[no-untyped-def]
+        drawn = False
+        for name in names:
+            steps, values = _series(history, name)
+            if values:
+                ax.plot(steps, values, style, label=_label(name))
+                drawn = True
+        return drawn
+
+    steps_seen = [r["step"] for r in history if "step" in r]
+
+    def finish(ax, drawn: bool, *, title: str, ylabel: str, empty: str) -> None:  # type: ignore[no-untyped-def]
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        if steps_seen:  # whole steps, the same span on every panel
+            ax.set_xlim(min(steps_seen) - 0.5, max(steps_seen) + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.set(ylim=(0, 1), yticks=[])
+            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+    ax = next(panels)
+    drawn = lines(
+        ax,
+        [
+            "val/accuracy",
+            "warm_start/before/val/accuracy",
+            "warm_start/before/val/tool_call_precision",
+            "val/tool_call_precision",
+        ],
+        style="o-",
+    )
+    if chance is not None and drawn:
+        ax.axhline(chance, color="gray", linestyle=":", label=f"chance ({chance:.2f})")
+    ax.set(ylim=(-0.02, 1.02))
+    finish(ax, drawn, title="Held-out accuracy", ylabel="fraction of held-out rows", empty="no validation yet")
+
+    ax = next(panels)
+    drawn = lines(ax, ["rollout/reward_mean", "rollout/accuracy", "rollout/tool_call_precision"])
+    finish(ax, drawn, title="Training rollouts", ylabel="reward / fraction", empty="no training step yet")
+
+    ax = next(panels)
+    drawn = lines(ax, ["mismatch/token_mult_prob_error", "mismatch/seq_mult_prob_error_max"])
+    finish(
+        ax,
+        drawn,
+        title="vLLM vs trainer probability ratio",
+        ylabel="probability ratio (1 = identical)",
+        empty="not measured",
+    )
+
+    ax = next(panels)
     reasons = sorted({name for record in history for name in record if name.startswith("masked/")})
-    for name in (
-        "preprocess/masked",
-        *reasons,
-        "rollout/retries",
-        "rollout/redispatches",
-        "rollout/server_restarts",
-        "rollout/crashed_server",
-    ):
-        ax.plot(*_series(history, name), marker=".", label=name)
-    ax.set(title="Masked samples (by reason), retries and restarts", xlabel="step")
-    ax.legend()
-    ax = axes[1][1]
-    bottom: list[float] | None = None
+    counted = ["preprocess/masked", *reasons, "rollout/retries", "rollout/redispatches", "rollout/server_restarts",
+               "rollout/crashed_server"]  # fmt: skip
+    nonzero = [n for n in counted if any(r.get(n, 0.0) for r in history)]
+    finish(
+        ax,
+        lines(ax, nonzero),
+        title="Masked samples, retries and restarts",
+        ylabel="count per step",
+        empty="none: every rollout was trained",
+    )
+
+    ax = next(panels)
+    all_steps = sorted({r["step"] for r in history if "time/rollout_s" in r or "time/validation_s" in r})
+    bottom = [0.0] * len(all_steps)
     for stage in STAGES:
         steps, values = _series(history, f"time/{stage}_s")
         if not steps:
             continue
         by_step = dict(zip(steps, values, strict=True))
-        all_steps = sorted({r["step"] for r in history if "time/rollout_s" in r or "time/validation_s" in r})
         heights = [by_step.get(s, 0.0) for s in all_steps]
-        base = bottom if bottom is not None and len(bottom) == len(heights) else [0.0] * len(heights)
-        ax.bar(all_steps, heights, bottom=base, label=stage)
-        bottom = [b + h for b, h in zip(base, heights, strict=True)]
-    ax.set(title="Step time by stage", xlabel="step", ylabel="seconds")
-    ax.legend()
+        ax.bar(all_steps, heights, bottom=bottom, label=stage)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    finish(ax, bool(all_steps), title="Step time by stage", ylabel="seconds", empty="no step yet")
+
+    ax = next(panels)
+    drawn = lines(ax, ["gpu/device_peak_used_gib", "gpu/policy_peak_allocated_gib", "gpu/policy_peak_reserved_gib"])
+    finish(ax, drawn, title="GPU memory", ylabel="GiB", empty="no GPU in this run")
+
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)

@@ -29,7 +29,7 @@ from typing import Any
 from rl_bridge.console import attach_run_log, stdout_to_run_log
 from rl_bridge.loop.config import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
-from rl_bridge.loop.metrics import DeviceMemoryMonitor, RunMetrics, write_curves
+from rl_bridge.loop.metrics import DeviceMemoryMonitor, RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.roles import start_roles
 from rl_bridge.loop.rundir import new_run_dir
@@ -96,5 +96,10 @@ def run_sync(recipe: Recipe, *, overwrite: bool = False) -> dict[str, Any]:
             controller.roles.policy.save_checkpoint(run_dir / "checkpoint")
             controller.roles.policy.save_hf_checkpoint(run_dir / EXPORT_DIR)
         serving = controller.serving_summary()
-        write_curves(metrics.history, run_dir / "curves.png", chance=1.0 / recipe.task.num_options)
+        write_curves(
+            metrics.history,
+            run_dir / "curves.png",
+            chance=1.0 / recipe.task.num_options,
+            title=curves_title(recipe, run_dir),
+        )
     return report.summary(steps=step, setup_s=setup["time/setup_s"], **serving)

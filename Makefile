@@ -2,7 +2,7 @@
 .PHONY: train test test-fast setup lock
 
 train: setup  ## the main job: GRPO on the embedded default (tiny model, synthetic video task, all on CPU)
-	envs/main/.venv/bin/video-grpo train
+	envs/main/.venv/bin/video-grpo train --overwrite
 
 # Workers of `make test` (pytest-xdist). Each runs whole groups of tests that share services or a
 # training run (tests/fixtures/parallel.py); 2 suits a 2-core machine, TEST_WORKERS=0 runs serially.

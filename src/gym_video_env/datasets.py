@@ -70,6 +70,7 @@ __all__ = [
     "GENERIC_FORMAT_HELP",
     "KNOWN_PART_TYPES",
     "VALIDATE_FRAMES",
+    "DatasetFileError",
     "RowError",
     "convert_records",
     "main",
@@ -117,6 +118,10 @@ _VIDEO_R1_OPTION = re.compile(r"^\s*\(?([A-Z])[.):]\s*(.*)$", re.DOTALL)
 _VIDEO_R1_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 
 
+class DatasetFileError(ValueError):
+    """An input file that is not what its format says (a Video-R1 file that is not a JSON list)."""
+
+
 @dataclass(frozen=True)
 class RowError:
     """One bad record: where it is and why it is bad."""
@@ -135,21 +140,31 @@ class RowError:
 def read_records(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
     """``(line, record)`` for each record of ``path`` in format ``fmt``; unparsable ones as :class:`RowError`.
 
+    A ``video-r1`` file (one JSON document) is read and checked here, the others line by line as
+    the iterator is consumed.
+
     Raises:
-        ValueError: a ``video-r1`` file that is not a JSON list.
+        DatasetFileError: a ``video-r1`` file that is not a JSON list.
+        OSError: ``path`` cannot be read.
     """
     if fmt == "video-r1":
-        records = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise DatasetFileError(f"{path}: not JSON ({error})") from error
         if not isinstance(records, list):
-            raise ValueError(
+            raise DatasetFileError(
                 f"{path}: a Video-R1 file is a JSON list of records, got {type(records).__name__}"
             )
-        for number, record in enumerate(records, start=1):
-            yield (
-                number,
-                record if isinstance(record, dict) else RowError(number, "record is not a JSON object"),
-            )
-    elif fmt == "nextqa" and path.suffix.lower() == ".csv":
+        return (
+            (number, record if isinstance(record, dict) else RowError(number, "record is not a JSON object"))
+            for number, record in enumerate(records, start=1)
+        )
+    return _file_records(path, fmt)
+
+
+def _file_records(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    if fmt == "nextqa" and path.suffix.lower() == ".csv":
         with path.open(encoding="utf-8", newline="") as handle:
             # The header is line 1; DictReader counts physical lines read so far.
             reader = csv.DictReader(handle)
@@ -449,10 +464,8 @@ def _settings(media_root: Path) -> MediaSettings:
     return MediaSettings(media_root=media_root)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m gym_video_env.datasets", description="Video-QA datasets as NeMo Gym rows."
-    )
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Video-QA datasets as NeMo Gym rows.")
     commands = parser.add_subparsers(dest="command", required=True)
     convert = commands.add_parser(
         "convert",
@@ -497,9 +510,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (1 when any record was bad)."""
-    args = _parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gym_video_env.datasets") -> int:
+    """Run the command line; returns the exit status: 1 when any record was bad, 2 (and one line on
+    stderr) when an input file or directory is missing or unreadable."""
+    args = _parser(prog).parse_args(argv)
+    try:
+        return _run(args, prog)
+    except (DatasetFileError, UnicodeDecodeError, OSError) as error:
+        if isinstance(error, OSError) and error.filename is None:
+            raise  # not a file of the command line's
+        source = args.input if args.command == "convert" else getattr(args, "rows", args.output)
+        print(f"{prog} {args.command}: {_file_error(error, source)}", file=sys.stderr)
+        return 2
+
+
+def _file_error(error: BaseException, source: Path) -> str:
+    if isinstance(error, IsADirectoryError):
+        return f"{error.filename}: is a directory, not a file"
+    if isinstance(error, OSError):
+        return f"{error.filename}: {(error.strerror or str(error)).lower()}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"{source}: not a UTF-8 text file ({error.reason} at byte {error.start})"
+    return " ".join(str(error).split())
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
     media_root = args.media_root.resolve()
     if args.command == "generate":
         make = video_mcqa_rows if args.environment == "video_mcqa" else video_segments_rows
@@ -507,7 +542,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.n} rows to {out}, clips under {media_root}")
         return 0
     if not media_root.is_dir():
-        print(f"error: --media-root {args.media_root} is not a directory", file=sys.stderr)
+        print(f"{prog} {args.command}: --media-root {args.media_root} is not a directory", file=sys.stderr)
+        return 2
+    source = args.input if args.command == "convert" else args.rows
+    if not source.is_file():  # before a progress bar starts
+        what = "is a directory, not a file" if source.is_dir() else "no such file"
+        print(f"{prog} {args.command}: {source}: {what}", file=sys.stderr)
         return 2
     if args.command == "convert":
         rows, errors = convert_records(

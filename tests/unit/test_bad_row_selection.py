@@ -88,7 +88,9 @@ def test_the_share_of_the_first_steps_over_seeds(issue_run, tmp_path: Path) -> N
     plain = [{**row, "task_id": f"row-{i}"} for i, row in enumerate(_good_rows(rows))]
     totals = {"sync": 0, "async": 0}
     for seed in SEEDS:
-        chosen = [MEDIA_FAULT_KEY in row for row in with_bad_media(plain, FRACTION, tmp_path / "media", seed=seed)]
+        chosen = [
+            MEDIA_FAULT_KEY in row for row in with_bad_media(plain, FRACTION, tmp_path / "media", seed=seed)
+        ]
         assert sum(chosen) == round(FRACTION * rows)
         totals["sync"] += sum(chosen[i] for i in islice(sync_row_order(rows, seed), prompts))
         data = DataOrder(num_rows=rows, seed=seed)

@@ -330,7 +330,9 @@ class TaskSection(_Section):
     """Fraction of the training rows (rounded to the nearest row) whose clip is replaced by bad
     media: truncated, empty, audio-only, undecodable, not a video, or missing
     (:mod:`gym_video_env.synthetic.bad_inputs`). Such rows must be masked with a reason and
-    counted, never crash the run. Held-out rows stay good. ``mcqa`` only."""
+    counted, never crash the run. Held-out rows stay good. ``mcqa`` only. The rows are drawn with
+    a seed of their own (``task.seed`` and ``"bad_rows"``), independent of the data order, so every
+    step sees about this fraction."""
     num_frames: int = Field(8, ge=5)
     """Frames per clip."""
     fps: PositiveFloat = 4.0
@@ -792,8 +794,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     """``data`` with each ``dotted.key=value`` override set (value parsed as YAML).
 
     Raises:
-        ValueError: an override without ``=`` or with an empty key, or one that descends into a
-            value that is not a mapping.
+        ValueError: an override without ``=`` or with an empty key, one that descends into a value
+            that is not a mapping, or one whose value is not YAML.
     """
     out: dict[str, Any] = _deep_copy(data)
     for override in overrides:
@@ -808,7 +810,11 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                 where = ".".join(parents[: depth + 1])
                 raise ValueError(f"override {override!r}: {where} is {child!r}, not a section")
             node = child
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or error
+            raise ValueError(f"override {override!r}: its value is not valid YAML ({problem})") from error
     return out
 
 
@@ -820,7 +826,8 @@ def load_recipe(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     """The recipe in YAML file ``path`` (``None``: the defaults) with ``overrides`` applied.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        OSError: ``path`` cannot be read (missing, a directory); UnicodeDecodeError: not text.
+        yaml.YAMLError: the file is not YAML.
         ValueError: the file is not a YAML mapping, or an override is malformed.
         pydantic.ValidationError: an unknown key or an invalid value (the message names its location).
     """

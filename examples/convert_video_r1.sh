@@ -10,8 +10,13 @@
 # With your own data: keep the two commands, point them at your file and your video directory.
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-video_grpo="${VIDEO_GRPO:-$here/../envs/main/.venv/bin/video-grpo}"
+# The installed `video-grpo` (either environment has these commands), or $VIDEO_GRPO.
+video_grpo="${VIDEO_GRPO:-video-grpo}"
+command -v "$video_grpo" > /dev/null || {
+  echo "convert_video_r1.sh: $video_grpo is not on PATH: install video-grpo, or put its environment's" \
+    "bin directory on PATH (a checkout's envs/main/.venv/bin), or set VIDEO_GRPO" >&2
+  exit 2
+}
 work="${1:-$(mktemp -d -t convert_video_r1.XXXXXX)}"
 media="$work/videos"
 mkdir -p "$media"

@@ -11,12 +11,21 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-checkout="$(cd "$here/../.." && pwd)"
 model_url="$1" model="$2" media_root="$(cd "$3" && pwd)" rows="$(realpath "$4")"
 work="${5:-$(mktemp -d -t gym_video_env.XXXXXX)}"
+# Gym's CLI and this package's servers run from the Gym environment, whose bin directory must be on
+# PATH (a checkout's envs/gym/.venv/bin, or a venv with nemo-gym and video-grpo installed).
+for tool in gym video-grpo; do
+  command -v "$tool" > /dev/null || {
+    echo "run.sh: $tool is not on PATH: put the Gym environment's bin directory on PATH" \
+      "(a checkout's envs/gym/.venv/bin)" >&2
+    exit 2
+  }
+done
+gym_python="$(dirname "$(command -v gym)")/python"
+# Where this package's Gym server directories are installed (a checkout's src/ when editable).
+servers="$("$gym_python" -c 'from rl_bridge.paths import gym_servers_root; print(gym_servers_root())')"
 mkdir -p "$work" && cd "$work"
-# Gym's CLI and this package's servers run from the Gym environment of the checkout.
-export PATH="$checkout/envs/gym/.venv/bin:$PATH"
 
 # 1. Every server runs in that environment: link the venvs Gym looks for to it (no uv, no index).
 video-grpo gym-venvs gym-venvs > /dev/null
@@ -25,7 +34,7 @@ video-grpo gym-venvs gym-venvs > /dev/null
 #    Job control on: the servers get a process group of their own, and SIGINT (what Ctrl-C sends,
 #    the signal gym env start stops its servers on) is not ignored as in a plain background job.
 set -m
-gym env start --config "$here/config.yaml" --search-dir "$checkout/src" \
+gym env start --config "$here/config.yaml" --search-dir "$servers" \
   +policy_base_url="$model_url" +policy_model_name="$model" +policy_api_key=EMPTY \
   +video_media_root="$media_root" \
   +skip_venv_if_present=true +uv_venv_dir="$work/gym-venvs" > gym_env_start.log 2>&1 &
@@ -51,5 +60,5 @@ gym eval run --no-serve --agent video_mcqa_agent -i "$rows" -o rollouts/rollouts
   || { echo "gym eval run failed; its log:" >&2; tail -50 gym_eval_run.log >&2; exit 1; }
 
 # 4. Rewards, token ids and failures.
-python "$here/show_rollouts.py" rollouts/rollouts.jsonl
+"$gym_python" "$here/show_rollouts.py" rollouts/rollouts.jsonl
 echo "rollouts: $work/rollouts/rollouts.jsonl"

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["cache_dir", "gym_python", "project_root", "uv_executable"]
+__all__ = ["cache_dir", "gym_python", "gym_servers_root", "project_root", "uv_executable"]
 
 
 def project_root() -> Path:
@@ -31,6 +31,16 @@ def cache_dir(*parts: str) -> Path:
     path = base.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def gym_servers_root() -> Path:
+    """The directory holding this package's Gym server directories (``responses_api_models/``,
+    ``responses_api_agents/``, ``resources_servers/``), the root Gym searches for them: the
+    checkout's ``src`` in an editable install, the environment's site-packages in a wheel install
+    (where a checkout's ``src`` does not exist)."""
+    import gym_video_env
+
+    return Path(gym_video_env.__file__).resolve().parent.parent
 
 
 def gym_python() -> Path:

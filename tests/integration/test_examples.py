@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,14 +36,35 @@ import requests
 
 from gym_video_env.environments import video_mcqa_rows
 from gym_video_env.synthetic import PALETTE
-from rl_bridge.paths import project_root
+from rl_bridge.paths import gym_servers_root, project_root
 from rl_bridge.services.gym_server import GymServerSpec, start_gym_servers, video_model_server_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = project_root()
-EXAMPLES = ROOT / "examples"
 VIDEO_GRPO = Path(sys.executable).parent / "video-grpo"
+GYM_BIN = ROOT / "envs" / "gym" / ".venv" / "bin"
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of ``examples/`` outside the checkout: each example must run from wherever a user
+    copied it, with only an installed environment's commands on PATH (:func:`installed_path`)."""
+    copy = tmp_path_factory.mktemp("user") / "examples"
+    shutil.copytree(ROOT / "examples", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert not copy.is_relative_to(ROOT)
+    return copy
+
+
+def installed_path(bin_dir: Path) -> dict[str, str]:
+    """The environment of a user who has one installed environment's ``bin`` on PATH and the
+    system's tools, nothing of the checkout (no PYTHONPATH, no other virtualenv)."""
+    dropped = ("NEMO_GYM_", "PYTHON", "VIRTUAL_ENV", "VIDEO_GRPO")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+    env["PATH"] = f"{bin_dir}:/usr/local/bin:/usr/bin:/bin"
+    return env
+
+
 #: Gym starts a Ray cluster whose node must register within 30 s (hard-coded in Ray); on a loaded
 #: machine it may not, and Gym exits. Such a start is retried.
 RAY_START_TIMEOUT = "The current node timed out during startup"
@@ -259,11 +281,11 @@ def test_gym_docs_commands_collect_rollouts_and_a_failed_row(served: Served, tmp
     )
 
 
-def test_gym_video_env_example(served: Served, tmp_path: Path) -> None:
+def test_gym_video_env_example(served: Served, examples: Path, tmp_path: Path) -> None:
     rows = _rows(served.media_root, 2)
     _write_jsonl(tmp_path / "rows.jsonl", rows)
     argv = [
-        str(EXAMPLES / "gym_video_env" / "run.sh"),
+        str(examples / "gym_video_env" / "run.sh"),
         served.model_url,
         served.model,
         str(served.media_root),
@@ -272,7 +294,8 @@ def test_gym_video_env_example(served: Served, tmp_path: Path) -> None:
         work = tmp_path / f"work{attempt}"
         done = subprocess.run(
             [*argv, str(tmp_path / "rows.jsonl"), str(work)],
-            env=_gym_env(served),
+            env={**_gym_env(served), **installed_path(GYM_BIN)},
+            cwd=tmp_path,
             capture_output=True,
             text=True,
             timeout=1500,
@@ -301,8 +324,8 @@ def test_gym_video_env_example(served: Served, tmp_path: Path) -> None:
     )
 
 
-def test_custom_video_tool_env(served: Served, tmp_path: Path) -> None:
-    sys.path.insert(0, str(EXAMPLES / "custom_video_tool_env"))
+def test_custom_video_tool_env(served: Served, examples: Path, tmp_path: Path) -> None:
+    sys.path.insert(0, str(examples / "custom_video_tool_env"))
     try:
         from make_rows import CUT_CLIP_TOOL, FPS, SEGMENT_S, make_rows
     finally:
@@ -324,7 +347,7 @@ def test_custom_video_tool_env(served: Served, tmp_path: Path) -> None:
         "video_tools_agent",
         {"resources_server": tool.ref(), "model_server": model.ref(), "max_steps": 3},
     )
-    roots = [ROOT / "src", EXAMPLES / "custom_video_tool_env"]
+    roots = [gym_servers_root(), examples / "custom_video_tool_env"]
     with start_gym_servers([model, tool, agent], run_dir=tmp_path / "gym", extra_roots=roots) as servers:
         with requests.Session() as session:  # one Gym session (cookie) for seed, tool call and verify
             seeded = session.post(f"{servers.url('video_clip_tool')}/seed_session", json=row, timeout=60)
@@ -381,9 +404,11 @@ def test_custom_video_tool_env(served: Served, tmp_path: Path) -> None:
         assert refused.status_code == 400 and "outside the media root" in refused.text, refused.text
 
 
-def test_serve_and_query_example(tmp_path: Path) -> None:
+def test_serve_and_query_example(examples: Path, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "serve_and_query.py"), "--media-root", str(tmp_path)],
+        ["python", str(examples / "serve_and_query.py"), "--media-root", str(tmp_path)],
+        env=installed_path(Path(sys.executable).parent),
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=1500,
@@ -399,10 +424,11 @@ def test_serve_and_query_example(tmp_path: Path) -> None:
     assert results["video"] == results["manifest"] and results["video"][1] > 0
 
 
-def test_convert_video_r1_example(tmp_path: Path) -> None:
+def test_convert_video_r1_example(examples: Path, tmp_path: Path) -> None:
     done = subprocess.run(
-        [str(EXAMPLES / "convert_video_r1.sh"), str(tmp_path)],
-        env={**os.environ, "VIDEO_GRPO": str(VIDEO_GRPO)},
+        [str(examples / "convert_video_r1.sh"), str(tmp_path)],
+        env=installed_path(VIDEO_GRPO.parent),
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
@@ -419,17 +445,19 @@ def test_convert_video_r1_example(tmp_path: Path) -> None:
     )
 
 
-def test_custom_reward_recipe_example(tmp_path: Path) -> None:
+def test_custom_reward_recipe_example(examples: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [
-            sys.executable,
-            str(EXAMPLES / "custom_reward_recipe.py"),
+            "python",
+            str(examples / "custom_reward_recipe.py"),
             "--steps",
             "1",
             "--run-dir",
             str(run_dir),
         ],
+        env=installed_path(Path(sys.executable).parent),
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=1800,

@@ -374,7 +374,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     import ray
 
     from rl_bridge.megatron.distributed import RankEnvironment
-    from rl_bridge.paths import project_root
+    from rl_bridge.paths import gym_servers_root
 
     cluster = recipe.cluster
     plan = _ray_plan(recipe)
@@ -459,7 +459,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
         specs,
         agent,
         str(run_dir / "logs" / "gym"),
-        [str(project_root() / "src")],
+        [str(gym_servers_root())],
         expose=nodes["gym"]["node_id"] != driver_node,
     )
     gym_started, *layouts = _gather([("gym", gym_ref), *setup])

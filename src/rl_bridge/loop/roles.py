@@ -54,7 +54,13 @@ class PolicyHandle(Protocol):
     def load_checkpoint(self, directory: str | Path) -> int: ...
 
     def connect_vllm(
-        self, base_url: str, *, backend: str, bucket_bytes: int, vllm_workers: int = 1, timeout_s: float = 600.0
+        self,
+        base_url: str,
+        *,
+        backend: str,
+        bucket_bytes: int,
+        vllm_workers: int = 1,
+        timeout_s: float = 600.0,
     ) -> None: ...
 
     def send_weights_to_vllm(self, base_url: str | None = None) -> dict[str, float]: ...
@@ -80,7 +86,6 @@ class Roles:
     ``None`` where the placement supervises its own processes."""
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What was started (:func:`placement_summary`), for the run's summary."""
-
 
 
 def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
@@ -187,7 +192,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         rl_bridge.services.process.ServiceError: a server did not start.
     """
     from rl_bridge.loop.placement import Hardware, plan_placement
-    from rl_bridge.paths import project_root
+    from rl_bridge.paths import gym_servers_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.services.vllm_server import start_vllm_server
 
@@ -218,7 +223,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     )
     gym = stack.enter_context(
         start_gym_servers(
-            specs, run_dir=run_dir / "logs" / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+            specs, run_dir=run_dir / "logs" / "gym", extra_roots=[gym_servers_root()], timeout_s=600
         )
     )
     colocated_gpus = recipe.model.placement == "colocated" and recipe.model.vllm_gpus > 0

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from rl_bridge.paths import gym_python, project_root
+from rl_bridge.paths import gym_python, gym_servers_root
 
 __all__ = ["DEFAULT_STOCK_SERVERS", "SERVER_TYPES", "link_server_venvs", "server_dirs", "venv_site_packages"]
 
@@ -98,8 +98,8 @@ def link_server_venvs(
     venv = (venv if venv is not None else gym_python().parent.parent).absolute()
     site = venv_site_packages(venv)
     names: dict[str, Path] = {}
-    ours = project_root() / "src"
-    roots = ([ours] if (ours / "gym_video_env").is_dir() else []) + [site]
+    ours = gym_servers_root()  # the checkout's src, or where the package is installed
+    roots = [ours] + ([site] if site != ours else [])
     for root in roots:
         for directory in server_dirs(root):
             if root == site and not _is_this_package(directory):

@@ -29,7 +29,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PROJECT_LOGGER", "RUN_LOG", "adopt_library_loggers", "attach_run_log", "capture", "stdout_to_run_log"]
+__all__ = [
+    "PROJECT_LOGGER",
+    "RUN_LOG",
+    "adopt_library_loggers",
+    "attach_run_log",
+    "capture",
+    "stdout_to_run_log",
+]
 
 PROJECT_LOGGER = "rl_bridge"
 RUN_LOG = Path("logs") / "trainer.log"
@@ -56,7 +63,9 @@ def capture() -> None:
     # handler of its own at import; the servers it starts set this back (services.vllm_server).
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     root = logging.getLogger()
-    buffer = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    buffer = logging.handlers.MemoryHandler(
+        capacity=1 << 20, flushLevel=logging.CRITICAL + 1, flushOnClose=False
+    )
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.addHandler(buffer)  # a later logging.basicConfig (megatron.training does one) is a no-op

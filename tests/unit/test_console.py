@@ -41,7 +41,10 @@ def test_library_output_goes_to_the_run_log_and_the_projects_lines_to_the_consol
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stderr.splitlines() == ["[video-grpo] starting the roles", "[video-grpo] a problem of the project's"]
+    assert done.stderr.splitlines() == [
+        "[video-grpo] starting the roles",
+        "[video-grpo] a problem of the project's",
+    ]
     assert done.stdout == "the summary\n"
     log = (tmp_path / "logs" / "trainer.log").read_text()
     for line in (

@@ -144,7 +144,9 @@ def test_gpu_recipe_without_cuda_fails_before_building_anything(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     recipe = load_recipe(path, [f"run_dir={tmp_path / 'run'}"])
     gpus = load_recipe(path).model.num_gpus
-    with pytest.raises(HardwareError, match=rf"is GPU-only: it needs {gpus} CUDA GPUs .*CUDA is not available"):
+    with pytest.raises(
+        HardwareError, match=rf"is GPU-only: it needs {gpus} CUDA GPUs .*CUDA is not available"
+    ):
         recipe.require_hardware()
     earlier_run = tmp_path / "run" / "summary.json"
     earlier_run.parent.mkdir()
@@ -152,7 +154,9 @@ def test_gpu_recipe_without_cuda_fails_before_building_anything(
     for run in (run_sync, run_async):
         with pytest.raises(HardwareError, match="GPU-only"):
             run(recipe)
-    assert earlier_run.read_text() == "{}", "an earlier run directory is left alone when the hardware is missing"
+    assert earlier_run.read_text() == "{}", (
+        "an earlier run directory is left alone when the hardware is missing"
+    )
 
 
 def test_gpu_recipe_needs_enough_gpus_and_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:

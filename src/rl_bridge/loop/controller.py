@@ -75,6 +75,7 @@ class StepBatch:
         self.groups += other.groups
         self.zero_signal += other.zero_signal
 
+
 __all__ = ["MASKED_ROWS_FILE", "Controller", "StepBatch", "sync_row_order", "timed", "with_sampling"]
 
 MASKED_ROWS_FILE = "masked_rows.jsonl"
@@ -159,7 +160,9 @@ def verifier_metrics(results: Sequence[RolloutResult], prefix: str) -> dict[str,
         metrics[f"{prefix}/tool_calls_per_sample"] = calls / len(answers)
         if any(a.get("named_segment_calls") is not None for a in answers):
             metrics[f"{prefix}/tool_call_precision"] = named / calls if calls else math.nan
-    first = Counter(a["watched_segments"][0] for a in answers if a.get("watched_segments") and a.get("tool_calls"))
+    first = Counter(
+        a["watched_segments"][0] for a in answers if a.get("watched_segments") and a.get("tool_calls")
+    )
     segments = max((len(a.get("segments") or ()) for a in answers), default=0)
     if first and segments > 1:
         counts = torch.tensor(list(first.values()), dtype=torch.float64)
@@ -235,9 +238,7 @@ class Controller:
             self.roles.agent_url, rows, self.rollout_settings, supervisor=self.roles.vllm_supervisor
         )
         self._log_masked(
-            (rows[res.index], res.mask_reason, res.error or "")
-            for res in results
-            if res.result is None
+            (rows[res.index], res.mask_reason, res.error or "") for res in results if res.result is None
         )
         rewards = [res.reward for res in results if res.reward is not None]
         metrics = stats.as_dict()
@@ -413,9 +414,7 @@ class Controller:
         forward pass fewer) and ``ref_logprobs`` when the KL weight is non-zero."""
         if not samples:
             return []
-        old = (
-            self.roles.policy.logprobs(samples) if self.recipe.needs_old_logprobs else [None] * len(samples)
-        )
+        old = self.roles.policy.logprobs(samples) if self.recipe.needs_old_logprobs else [None] * len(samples)
         ref = (
             self.roles.reference.logprobs(samples)
             if self.roles.reference is not None
@@ -481,7 +480,10 @@ class Controller:
         ] + [s for s in samples if id(s) not in trained_ids]
         per_step = [step.as_dict() for step in steps]
         last = per_step[-1]
-        averaged = {f"train/{n}" for step in steps for n in step.loss_metrics} | {"train/loss", "train/grad_norm"}
+        averaged = {f"train/{n}" for step in steps for n in step.loss_metrics} | {
+            "train/loss",
+            "train/grad_norm",
+        }
         for name in averaged:
             values = [record[name] for record in per_step if name in record]
             if values:
@@ -695,7 +697,10 @@ class Controller:
         started = time.monotonic()
         loss = SupervisedLoss()
         batches = warm_start_batches(
-            self.data.train_rows, steps=config.steps, per_step=config.prompts_per_step, seed=self.recipe.seed + 2
+            self.data.train_rows,
+            steps=config.steps,
+            per_step=config.prompts_per_step,
+            seed=self.recipe.seed + 2,
         )
         before = {f"warm_start/before/{name}": value for name, value in self.validate().items()}
         records = []

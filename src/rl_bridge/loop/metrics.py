@@ -11,7 +11,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGES", "DeviceMemoryMonitor", "RunMetrics", "curves_title", "read_metrics", "resident_mb", "step_totals", "write_curves"]
+__all__ = [
+    "STAGES",
+    "DeviceMemoryMonitor",
+    "RunMetrics",
+    "curves_title",
+    "read_metrics",
+    "resident_mb",
+    "step_totals",
+    "write_curves",
+]
 
 #: The timed stages of a step, in order (``time/<stage>_s`` metrics). A colocated GPU run also
 #: times ``sleep``, ``release`` and ``wake`` (:meth:`.controller.Controller.sleeping_generation`).
@@ -98,7 +107,11 @@ def _label(name: str) -> str:
 
 
 def write_curves(
-    history: Sequence[Mapping[str, float]], out: Path, *, chance: float | None = None, title: str | None = None
+    history: Sequence[Mapping[str, float]],
+    out: Path,
+    *,
+    chance: float | None = None,
+    title: str | None = None,
 ) -> Path:
     """Draw the run's curves into one PNG, titled ``title`` (the run and its recipe): held-out
     accuracy, the sampled reward, vLLM/trainer probability error, masked and failed rollouts, the
@@ -149,7 +162,9 @@ def write_curves(
     if chance is not None and drawn:
         ax.axhline(chance, color="gray", linestyle=":", label=f"chance ({chance:.2f})")
     ax.set(ylim=(-0.02, 1.02))
-    finish(ax, drawn, title="Held-out accuracy", ylabel="fraction of held-out rows", empty="no validation yet")
+    finish(
+        ax, drawn, title="Held-out accuracy", ylabel="fraction of held-out rows", empty="no validation yet"
+    )
 
     ax = next(panels)
     drawn = lines(ax, ["rollout/reward_mean", "rollout/accuracy", "rollout/tool_call_precision"])
@@ -192,7 +207,9 @@ def write_curves(
     finish(ax, bool(all_steps), title="Step time by stage", ylabel="seconds", empty="no step yet")
 
     ax = next(panels)
-    drawn = lines(ax, ["gpu/device_peak_used_gib", "gpu/policy_peak_allocated_gib", "gpu/policy_peak_reserved_gib"])
+    drawn = lines(
+        ax, ["gpu/device_peak_used_gib", "gpu/policy_peak_allocated_gib", "gpu/policy_peak_reserved_gib"]
+    )
     finish(ax, drawn, title="GPU memory", ylabel="GiB", empty="no GPU in this run")
 
     if title:

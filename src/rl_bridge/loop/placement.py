@@ -222,7 +222,8 @@ def _qwen_vl_parameters(config: Mapping[str, Any], family: str) -> tuple[int, in
     kv_dim = kv * head_dim
     qkv_bias = text.get("attention_bias", False) if qwen3 else True
     layer = (
-        h * heads * head_dim + h * 2 * kv_dim  # q, k, v
+        h * heads * head_dim
+        + h * 2 * kv_dim  # q, k, v
         + (heads * head_dim + 2 * kv_dim) * qkv_bias
         + heads * head_dim * h  # o
         + 3 * h * text["intermediate_size"]  # gate, up, down
@@ -466,7 +467,9 @@ def _tiny_config(family: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
         vision["num_position_embeddings"] = spec.num_position_embeddings
         vision["deepstack_visual_indexes"] = list(spec.deepstack_visual_indexes)
     return {
-        "vocab_size": max(spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS), spec.vocab_size or 0),
+        "vocab_size": max(
+            spec.bpe_vocab_size + len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS), spec.vocab_size or 0
+        ),
         "hidden_size": spec.text_hidden_size,
         "intermediate_size": spec.text_intermediate_size,
         "num_hidden_layers": spec.text_num_layers,
@@ -598,9 +601,7 @@ class Plan:
 
     def policy_gpu_bytes(self) -> tuple[int, str]:
         """Peak bytes on one policy GPU and how they add up (colocated: vLLM's share included)."""
-        return _policy_gpu_need(
-            self.placement, self.policy_memory, self.reference_memory, self.vllm_memory
-        )
+        return _policy_gpu_need(self.placement, self.policy_memory, self.reference_memory, self.vllm_memory)
 
     def _groups_of(self, rank: int) -> str:
         named = (
@@ -750,9 +751,7 @@ def _policy_layout(
     return coordinates, groups
 
 
-def plan_placement(
-    recipe: Recipe, hardware: Hardware, *, distributed_optimizer: bool | None = None
-) -> Plan:
+def plan_placement(recipe: Recipe, hardware: Hardware, *, distributed_optimizer: bool | None = None) -> Plan:
     """Place ``recipe``'s vLLM replicas, policy ranks and reference policy on ``hardware``.
 
     Memory per GPU, in bytes (``P`` parameters, ``b`` the compute dtype's bytes, 2 for bf16 and 4
@@ -878,8 +877,10 @@ def plan_placement(
     patches = micro_batch * _video_tokens_per_sample(recipe) * shape.patches_per_token
     vision_elements = patches * shape.vision_hidden_size * shape.vision_layers  # not sharded by TP
     if recipe.train.recompute == "full":  # each layer's input kept, one layer's activations at a time
-        per_element = [1 + ACTIVATION_BYTES_PER_ELEMENT / max(layers, 1)
-                       for layers in (shape.num_layers, shape.vision_layers)]
+        per_element = [
+            1 + ACTIVATION_BYTES_PER_ELEMENT / max(layers, 1)
+            for layers in (shape.num_layers, shape.vision_layers)
+        ]
     else:
         per_element = [ACTIVATION_BYTES_PER_ELEMENT] * 2
     elements = language_elements * per_element[0] + vision_elements * per_element[1]

@@ -386,9 +386,7 @@ class LocalPolicyRanks:
             ready = wait(list(pending.values()), timeout=timeout_s)
             if not ready:
                 self._broken = True
-                raise TimeoutError(
-                    f"policy ranks {sorted(pending)} did not answer within {timeout_s:.0f} s"
-                )
+                raise TimeoutError(f"policy ranks {sorted(pending)} did not answer within {timeout_s:.0f} s")
             for rank, connection in list(pending.items()):
                 if connection not in ready:
                     continue

@@ -89,7 +89,9 @@ def run_sync(recipe: Recipe, *, overwrite: bool = False) -> dict[str, Any]:
             peak = memory.take_peak()
             if peak is not None:
                 gpu["gpu/device_peak_used_gib"] = peak
-            if report.step_done(step, {**collect_metrics, **train_metrics, **refit_metrics, **timings, **gpu}):
+            if report.step_done(
+                step, {**collect_metrics, **train_metrics, **refit_metrics, **timings, **gpu}
+            ):
                 break
         report.finish(step)
         if recipe.train.checkpoint_at_end:

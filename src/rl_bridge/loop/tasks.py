@@ -126,7 +126,9 @@ def demonstration(task: TaskSection, row: Mapping[str, Any]) -> str:
         ValueError: the row names no segment (not an ``agentic`` row).
     """
     if row.get("named_segment") is None:
-        raise ValueError(f"row {row.get('task_id')!r} names no segment: only agentic rows have demonstrations")
+        raise ValueError(
+            f"row {row.get('task_id')!r} names no segment: only agentic rows have demonstrations"
+        )
     return hermes_tool_call(WATCH_SEGMENT_TOOL_NAME, {"segment": int(row["named_segment"])})
 
 
@@ -137,7 +139,11 @@ def turn_choices(recipe: Recipe) -> list[list[str]]:
     if not recipe.rollout.constrain_actions:
         return []
     full = action_choices(recipe.task)
-    return [action_choices(recipe.task, calls_only=True), full] if recipe.rollout.first_turn_tool_call else [full]
+    return (
+        [action_choices(recipe.task, calls_only=True), full]
+        if recipe.rollout.first_turn_tool_call
+        else [full]
+    )
 
 
 def task_rows(

@@ -47,7 +47,6 @@ import torch
 from rl_bridge.grpo import GRPOLossConfig, grpo_loss, loss_denominator
 from rl_bridge.megatron.batch import MediaTokens, MicroBatch, PolicySample, collate
 from rl_bridge.megatron.cpu_support import cpu_support_needed
-from rl_bridge.structured_outputs import unpack_bitmask
 from rl_bridge.megatron.logprobs import token_logprobs
 from rl_bridge.megatron.model import (
     LayerSpec,
@@ -57,6 +56,7 @@ from rl_bridge.megatron.model import (
     hf_vocab_size,
     load_bridge,
 )
+from rl_bridge.structured_outputs import unpack_bitmask
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -425,7 +425,9 @@ class MegatronPolicy:
 
     def _require_trainable(self, what: str) -> MegatronOptimizer:
         if self._optimizer is None:
-            raise RuntimeError(f"MegatronPolicy.{what}: this policy is forward-only (PolicyConfig.trainable=False)")
+            raise RuntimeError(
+                f"MegatronPolicy.{what}: this policy is forward-only (PolicyConfig.trainable=False)"
+            )
         return self._optimizer
 
     def state_bytes(self) -> dict[str, int]:
@@ -437,7 +439,9 @@ class MegatronPolicy:
         module = self._model[0]
         parameters = sum(p.numel() * p.element_size() for p in module.parameters())
         buffers = (
-            [*module.buffers, *module.expert_parallel_buffers] if isinstance(module, DistributedDataParallel) else []
+            [*module.buffers, *module.expert_parallel_buffers]
+            if isinstance(module, DistributedDataParallel)
+            else []
         )
         gradients = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
         optimizer = 0
@@ -692,7 +696,9 @@ class MegatronPolicy:
                 return logits.sum() * 0.0, empty
             if getattr(loss_fn, "wants_entropy", False):
                 logprobs, entropy = self._target_logprobs(logits, micro_batch, entropy=True)
-                loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts, entropy=entropy)
+                loss, metrics = loss_fn(
+                    logprobs, micro_batch.target_mask, micro_batch, counts, entropy=entropy
+                )
             else:
                 logprobs = self._target_logprobs(logits, micro_batch)
                 loss, metrics = loss_fn(logprobs, micro_batch.target_mask, micro_batch, counts)

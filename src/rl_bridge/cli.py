@@ -84,19 +84,17 @@ def _video_contract(raw: str, model: Path) -> Any:
     except ValueError as error:
         from rl_bridge.user_errors import validation_message
 
-        if hasattr(error, "errors"):
-            message = validation_message(error, VideoSamplingContract, path=raw if text is not raw else None)
-        else:
-            message = str(error)
+        source = "JSON" if text is raw else raw
+        message = (
+            validation_message(error, VideoSamplingContract, path=source)
+            if hasattr(error, "errors")
+            else error
+        )
         raise UsageError(f"--video-contract: {message}") from error
 
 
 def _cmd_serve_vllm(args: argparse.Namespace) -> int:
-    from rl_bridge.services.process import ServiceError
-    from rl_bridge.services.vllm_server import VLLMServerConfig, server_argv, start_vllm_server
-    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
-    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
-
+    _require("torch", "vllm")  # the environment, then the arguments, then the imports (seconds)
     if not (args.model / "config.json").is_file():
         print(f"video-grpo serve-vllm: --model {args.model}: no config.json there", file=sys.stderr)
         return 2
@@ -108,6 +106,11 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
         )
         return 2
     contract = _video_contract(args.video_contract, args.model)
+    from rl_bridge.services.process import ServiceError
+    from rl_bridge.services.vllm_server import VLLMServerConfig, server_argv, start_vllm_server
+    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+    from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
+
     extra_args: list[str] = []
     load_format = None if args.load_format == "auto" else args.load_format
     if load_format == MODEL_LOADER_NAME:
@@ -518,6 +521,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(_wrong_environment(args.command, error.name or ""), file=sys.stderr)
         return 2
+
+
+def _require(*modules: str) -> None:
+    """Raise :class:`ModuleNotFoundError` for the first of ``modules`` not installed here (``main``
+    then names the environment that has it), before a command's slow imports."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
 def _not_installed(module: str | None) -> bool:

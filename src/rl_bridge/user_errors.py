@@ -155,7 +155,7 @@ def _unknown_key(model: type, loc: tuple[str, ...]) -> str:
     if section is None:
         return "unknown key"
     names = [field.alias or name for name, field in section.model_fields.items()]
-    owner = ".".join(loc[:-1]) or "a recipe"
+    owner = ".".join(loc[:-1]) or ("a recipe" if model.__name__ == "Recipe" else f"a {model.__name__}")
     shown = ", ".join(names[:_FIELDS_SHOWN]) + (
         f", ... ({len(names)} keys)" if len(names) > _FIELDS_SHOWN else ""
     )

@@ -43,6 +43,8 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "earlier_run").mkdir()
     (tmp_path / "earlier_run" / "summary.json").write_text("{}")
     (tmp_path / "no_run").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     return tmp_path
 
 
@@ -147,6 +149,15 @@ CASES: list[tuple[list[str], list[str]]] = [
             "{tmp}/none",
         ],
         ["--image-packages", "none: no such file"],
+    ),
+    (["serve-vllm", "--model", "{tmp}/a_directory"], ["--model", "a_directory: no config.json there"]),
+    (
+        ["serve-vllm", "--model", "{tmp}/model", "--video-contract", '{"style": "bogus"}'],
+        ["--video-contract: JSON: style: expected 'uniform', "],
+    ),
+    (
+        ["serve-vllm", "--model", "{tmp}/model", "--video-contract", "{tmp}/missing.json"],
+        ["missing.json': not processor, none, a JSON object or a JSON file"],
     ),
     (["make-clips", "{tmp}/clips", "--media-root", "{tmp}/a_directory"], ["is not inside --media-root"]),
 ]

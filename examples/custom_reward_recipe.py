@@ -29,6 +29,7 @@ from rl_bridge.loop.config import (
     TrainSection,
     ValidationSection,
 )
+from rl_bridge.loop.rundir import RunDirError
 from rl_bridge.loop.sync import run_sync
 
 
@@ -60,6 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/custom_reward_recipe"))
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --run-dir")
     args = parser.parse_args()
 
     recipe = counting_recipe(args.steps, args.run_dir)
@@ -68,7 +70,13 @@ def main() -> int:
     assert load_recipe(None, ["task.name=count"]).task.name == recipe.task.name
     print(recipe.model_dump_json(indent=2, by_alias=True, include={"task", "rollout", "train"}))
 
-    summary = run_sync(recipe)  # starts vLLM, the Gym servers and the Megatron policy; stops them
+    # Starts vLLM, the Gym servers and the Megatron policy, and stops them; an earlier run in the
+    # run directory is refused (rl_bridge.loop.rundir.RunDirError, one line) unless --overwrite.
+    try:
+        summary = run_sync(recipe, overwrite=args.overwrite)
+    except RunDirError as error:
+        print(f"custom_reward_recipe.py: {error}", file=sys.stderr)
+        return 2
 
     # The run's per-step metrics, one JSON object per line, next to TensorBoard logs and curves.
     metrics = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -51,7 +51,7 @@ from rl_bridge.loop.metrics import RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
 from rl_bridge.loop.roles import start_roles
-from rl_bridge.loop.rundir import new_run_dir, resumable_run_dir
+from rl_bridge.loop.rundir import RunDirError, new_run_dir, resumable_run_dir
 from rl_bridge.loop.tasks import prepare_task
 from rl_bridge.rollout import ROLLOUT_OUTCOMES, RolloutResult
 
@@ -128,7 +128,7 @@ def latest_checkpoint(run_dir: Path) -> Path:
     """The newest complete checkpoint of ``run_dir`` (``checkpoints/step-<N>`` with ``state.json``).
 
     Raises:
-        FileNotFoundError: there is none.
+        rl_bridge.loop.rundir.RunDirError: there is none (a user error: one line from the CLI).
     """
     candidates = [
         path
@@ -136,7 +136,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
         if (path / "state.json").is_file() and path.name.removeprefix("step-").isdigit()
     ]
     if not candidates:
-        raise FileNotFoundError(f"no checkpoint to resume from in {run_dir / 'checkpoints'}")
+        raise RunDirError(
+            f"{run_dir}: no checkpoint to resume from in checkpoints/ (the run stopped before its first; "
+            "async.checkpoint_every sets how often): start it again with --overwrite"
+        )
     return max(candidates, key=lambda p: int(p.name.removeprefix("step-")))
 
 

@@ -22,6 +22,14 @@ Schema (version 1; unknown keys are rejected)::
 A frame gives ``index`` (its source frame index) or ``timestamp_s`` (its presentation time; the
 index is ``round(timestamp_s * source_fps)``).
 
+With ``source_fps`` the cached frames must cover the source the manifest claims: the cache may be
+sparse (every 15th frame, say), but no more than its own spacing (the widest gap between two
+consecutive cached frames; 1 for a single frame) may lie before its first frame or after its last
+one, up to ``total_frames``. A manifest whose frame count disagrees with its entries (one cached
+frame claiming ``total_frames=100000``, or the first 20 frames of a 100-frame source) is refused:
+every index the contract samples past the cached frames would be served by the same cached frame,
+one frame repeated in place of frames the manifest does not hold.
+
 Without ``source_fps`` every frame must give ``timestamp_s``, and the listed frames are taken to be
 the whole video (a variable-rate video, or frames extracted at irregular times): the contract
 samples them by position, like a decoder samples a video's frames, at their mean rate
@@ -192,8 +200,9 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
             or missing keys, wrong types, numbers out of range (``total_frames`` over 2**31 - 1, a
             frame's index, given or from ``timestamp_s``, over 2**31 - 2), a frame with both or
             neither of ``index`` and ``timestamp_s``, two frames at one index, an index beyond
-            ``total_frames``, or, without ``source_fps``, a ``duration_s`` that gives no finite mean
-            frame rate (zero, or tiny).
+            ``total_frames``, with ``source_fps`` cached frames that do not cover the source they
+            claim (see the module docstring), or, without ``source_fps``, a ``duration_s`` that
+            gives no finite mean frame rate (zero, or tiny).
     """
     try:
         document = json.loads(bytes(text) if not isinstance(text, str) else text)
@@ -255,6 +264,8 @@ def parse_manifest(text: str | bytes | bytearray | memoryview, *, source: str) -
         total_frames = last + 1
     elif last >= total_frames:
         raise fail(f"frame {ordered[-1].path} is at source index {last}, beyond total_frames={total_frames}")
+    if source_fps is not None:
+        _check_coverage(ordered, total_frames, fail)
     if duration_s is None:
         duration_s = total_frames / rate
         if not math.isfinite(duration_s):
@@ -325,6 +336,29 @@ def load_manifest_frames(
         except tarfile.TarError as error:
             raise ManifestError(label, f"not a readable tar bundle ({error})") from error
     raise ManifestError(label, "not a frame manifest or bundle (it looks like an encoded video)")
+
+
+def _check_coverage(
+    frames: Sequence[ManifestFrame], total_frames: int, fail: Callable[[str], ManifestError]
+) -> None:
+    """Refuse cached frames (sorted, indices unique) that leave more than their own spacing
+    uncovered before the first or after the last, up to ``total_frames`` (the module docstring)."""
+    indices = [frame.index for frame in frames]
+    spacing = max((after - before for before, after in zip(indices, indices[1:], strict=False)), default=1)
+    first, last = frames[0], frames[-1]
+    apart = f"the cached frames lie at most {spacing} apart" if len(frames) > 1 else "it caches one frame"
+    if first.index >= spacing:
+        raise fail(
+            f"its first cached frame {first.path} is at source index {first.index} and {apart}: source "
+            f"frames 0-{first.index - 1} have no cached frame near them (number the frames from the "
+            "source's first frame, or cache its start)"
+        )
+    if total_frames - 1 - last.index >= spacing:
+        raise fail(
+            f"total_frames={total_frames}, but its last cached frame {last.path} is at source index "
+            f"{last.index} and {apart}: source frames {last.index + 1}-{total_frames - 1} have no cached "
+            "frame near them (give the source's real total_frames, or cache frames up to its end)"
+        )
 
 
 # -- selection --------------------------------------------------------------------------------------

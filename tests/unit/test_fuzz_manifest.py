@@ -94,6 +94,9 @@ def _check_manifest(manifest: FrameManifest) -> None:
     indices = [frame.index for frame in manifest.frames]
     assert indices == sorted(set(indices)) and indices[0] >= 0
     assert indices[-1] < manifest.total_frames
+    if manifest.frame_rate_known:  # the cached frames cover the source they claim
+        spacing = max((b - a for a, b in zip(indices, indices[1:], strict=False)), default=1)
+        assert indices[0] < spacing and manifest.total_frames - 1 - indices[-1] < spacing
     assert math.isfinite(manifest.source_fps) and manifest.source_fps > 0
     assert math.isfinite(manifest.duration_s) and manifest.duration_s >= 0
 

@@ -118,13 +118,94 @@ def test_timestamps_without_fps_use_a_millisecond_grid(root: Path) -> None:
 
 
 def test_explicit_source_geometry_is_used(root: Path) -> None:
-    # A 100-frame source of which 20 frames are cached; the contract samples over all 100.
+    # A 100-frame source of which every 5th frame is cached (the files clip/000..019 stand for
+    # source frames 0, 5, ..., 95); the contract samples over all 100.
+    entries = [{"path": f"clip/{i:03d}.png", "index": 5 * i} for i in range(NUM_FRAMES)]
     loaded = load_manifest_frames(
-        manifest(all_frames(), source_fps=FPS, total_frames=100, duration_s=10.0), UNIFORM_6, media_root=root
+        manifest(entries, source_fps=FPS, total_frames=100, duration_s=10.0), UNIFORM_6, media_root=root
     )
     assert loaded.requested_indices == (0, 19, 39, 59, 79, 99)
-    assert loaded.sample.indices == (0, 19, 19, 19, 19, 19)
+    assert loaded.sample.indices == (0, 20, 40, 60, 80, 95)
+    assert barcodes(loaded.data) == [0, 4, 8, 12, 16, 19]
     assert loaded.sample.total_frames == 100 and loaded.sample.duration_s == 10.0
+
+
+def _bundle(document: bytes, members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as bundle:
+        bundle.writestr("manifest.json", document)
+        for name, data in members.items():
+            bundle.writestr(name, data)
+    return buffer.getvalue()
+
+
+def test_a_bundle_claiming_frames_it_does_not_hold_is_refused(root: Path) -> None:
+    """One cached frame claiming a 100000-frame source: every index a contract samples would be
+    served by that frame, repeated (128 video tokens of one frame before this was refused)."""
+    frame = (root / "clip" / "000.png").read_bytes()
+    claim = manifest([{"path": "000.png", "index": 0}], source_fps=30.0, total_frames=100_000)
+    with pytest.raises(ManifestError) as raised:
+        load_manifest_frames(_bundle(claim, {"000.png": frame}), UNIFORM_6, media_root=None)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("<bytes sha256:")
+    assert (
+        "total_frames=100000, but its last cached frame 000.png is at source index 0 and it caches one "
+        "frame: source frames 1-99999 have no cached frame near them" in message
+    )
+    # The same frame claiming what it is serves.
+    honest = manifest([{"path": "000.png", "index": 0}], source_fps=30.0, total_frames=1)
+    loaded = load_manifest_frames(_bundle(honest, {"000.png": frame}), UNIFORM_6, media_root=None)
+    assert barcodes(loaded.data) == [0]
+
+
+@pytest.mark.parametrize(
+    ("entries", "top", "reason"),
+    [
+        # The first 20 frames of a 100-frame source.
+        (
+            all_frames(),
+            {"total_frames": 100},
+            r"total_frames=100, but its last cached frame clip/019\.png is at source index 19 and the "
+            r"cached frames lie at most 1 apart: source frames 20-99 have no cached frame near them",
+        ),
+        # Every 4th frame, but the cache stops at frame 8 of 20.
+        (
+            all_frames(every=4)[:3],
+            {"total_frames": NUM_FRAMES},
+            r"last cached frame clip/008\.png is at source index 8 and the cached frames lie at most 4 "
+            r"apart: source frames 9-19",
+        ),
+        # Frames 5-19 numbered as in the source, the start not cached.
+        (
+            all_frames()[5:],
+            {},
+            r"its first cached frame clip/005\.png is at source index 5 and the cached frames lie at most "
+            r"1 apart: source frames 0-4 have no cached frame near them",
+        ),
+    ],
+    ids=["tail", "sparse_tail", "head"],
+)
+def test_cached_frames_must_cover_the_source_they_claim(
+    root: Path, entries: list[dict[str, Any]], top: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ManifestError, match=reason):
+        load_manifest_frames(manifest(entries, source_fps=FPS, **top), UNIFORM_6, media_root=root)
+
+
+@pytest.mark.parametrize(
+    ("indices", "total_frames"),
+    [
+        ([0, 15, 30, 45], 60),  # every 15th of 60: 14 frames after the last, less than the spacing
+        ([7, 22, 37], 45),  # the middle frame of every 15: 7 before the first, 7 after the last
+        ([0], 1),
+        ([0, 1, 2, 10], 15),  # the widest gap (8) is the spacing
+    ],
+)
+def test_a_sparse_cache_covering_its_source_is_accepted(indices: list[int], total_frames: int) -> None:
+    entries = [{"path": f"f{index}.png", "index": index} for index in indices]
+    parsed = parse_manifest(manifest(entries, source_fps=FPS, total_frames=total_frames), source="m")
+    assert parsed.total_frames == total_frames
 
 
 def test_absolute_paths_inside_the_root_are_accepted(root: Path) -> None:

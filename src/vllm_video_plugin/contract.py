@@ -23,10 +23,12 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
 
 __all__ = [
+    "KEEP_VIDEO_BYTES_OPTION",
     "QWEN_DEFAULT_FPS",
     "QWEN_MAX_FPS",
     "QWEN_MAX_FRAMES",
     "QWEN_MIN_FRAMES",
+    "VIDEO_BYTES_KEY",
     "VIDEO_LOADER_NAME",
     "AspectPolicy",
     "SamplingStyle",
@@ -36,6 +38,12 @@ __all__ = [
 
 VIDEO_LOADER_NAME: Final = "video_grpo"
 """Registry name of this package's vLLM video loader (the ``video_backend`` of the media-io block)."""
+KEEP_VIDEO_BYTES_OPTION: Final = "keep_video_bytes"
+"""Key of the media-io ``"video"`` block saying whether an encoded video's metadata carries its
+bytes (:data:`VIDEO_BYTES_KEY`). Not a contract field: it depends on the model's processor, not on
+how frames are sampled (:func:`vllm_video_plugin.geometry.fit_contract` decides it per checkpoint)."""
+VIDEO_BYTES_KEY: Final = "original_video_bytes"
+"""Video metadata key of an encoded video's source bytes (vLLM's ``nemotron_vl`` loader's name for it)."""
 
 SamplingStyle = Literal["uniform", "nemotron_rounded", "qwen2_vl", "qwen3_vl"]
 """How frames are chosen (see :mod:`vllm_video_plugin.sampling` for the exact rules):

@@ -4,6 +4,22 @@ vLLM reads patch size, spatial merge (or downsample) ratio, temporal patch size 
 budget from the checkpoint; the sampling contract states what the trainer and the Gym side assume.
 :func:`check_geometry` refuses a contract that contradicts the checkpoint, naming both values. Used
 by the ``--load-format`` loader (:mod:`vllm_video_plugin.model_loader`) and by the trainer at start-up.
+
+:func:`fit_contract` goes one step further, to the model's processor: which media-io options the
+video loader needs for it (whether an encoded video's bytes travel in its metadata) and what the
+contract asks that the processor cannot do. Any style samples frames for any family; what differs
+is what the processor reads besides the frames:
+
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL build ``transformers.VideoMetadata`` from the metadata and fail
+  on any other key: the source bytes never travel (``keep_video_bytes=true`` is refused);
+- Nemotron Nano VL / Omni reads ``fps`` and ``frames_indices``, and with ``use_audio_in_video``
+  set server-wide decodes each video's audio track from its bytes: the bytes travel exactly then
+  (an adaptation: the block says ``keep_video_bytes=true``; ``false`` is refused);
+- Qwen2-VL and Qwen2.5-VL write no times into the prompt, so ``timestamps='presentation'`` is
+  refused for them (it would change Qwen2.5-VL's seconds per temporal patch instead);
+- the geometry (:func:`geometry_mismatches`): a Qwen style always keeps the aspect ratio, so it is
+  refused for a Nemotron checkpoint that stretches frames, and so on.
+
 Pure Python: does not import vLLM.
 """
 
@@ -16,16 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from vllm_video_plugin.contract import AspectPolicy, VideoSamplingContract
+from vllm_video_plugin.contract import KEEP_VIDEO_BYTES_OPTION, AspectPolicy, VideoSamplingContract
 
 __all__ = [
     "CONTRACT_CONFIG_KEY",
+    "ContractFit",
     "VisionGeometry",
     "check_geometry",
+    "fit_contract",
     "geometry_mismatches",
     "read_processor_config",
     "vision_geometry",
 ]
+
+# Qwen model types whose processors write no frame times into the prompt.
+_TIMELESS_MODEL_TYPES: Final = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 CONTRACT_CONFIG_KEY: Final = "video_contract"
 """Key of vLLM's ``--model-loader-extra-config`` holding the sampling contract."""
@@ -66,6 +87,15 @@ class VisionGeometry:
     """Qwen always keeps the aspect ratio; Nemotron keeps it when ``video_maintain_aspect_ratio``."""
     sources: Mapping[str, str]
     """For each field, the checkpoint key it was read from (used in error messages)."""
+    model_type: str | None = None
+    """The config's ``model_type`` (``qwen2_5_vl``, ``qwen3_vl``, ...; Nemotron's names its
+    architecture); ``None``: not read."""
+
+    @property
+    def writes_timestamps(self) -> bool:
+        """Whether the model's processor writes frame times into the prompt (Qwen3-VL, Nemotron;
+        not Qwen2-VL and Qwen2.5-VL)."""
+        return self.model_type not in _TIMELESS_MODEL_TYPES
 
 
 def _field(node: Any, name: str) -> Any:
@@ -110,6 +140,7 @@ def vision_geometry(
                 "min_pixels": "video processor size.shortest_edge (min_pixels)",
                 "max_pixels": "video processor size.longest_edge (max_pixels)",
             },
+            model_type=_field(config, "model_type"),
         )
     ratio = _field(config, "downsample_ratio")
     if ratio is not None:
@@ -137,6 +168,7 @@ def vision_geometry(
                 "target_num_patches": target_source,
                 "aspect_policy": "vision_config.video_maintain_aspect_ratio",
             },
+            model_type=_field(config, "model_type"),
         )
     architectures = _field(config, "architectures")
     raise ValueError(
@@ -165,9 +197,15 @@ def geometry_mismatches(contract: VideoSamplingContract, geometry: VisionGeometr
 
     Fields the contract leaves ``None`` are not checked; ``temporal_patch_size`` and
     ``aspect_policy`` always are. A pixel budget cannot hold for Nemotron (it sizes frames by
-    patches) nor a patch budget for Qwen.
+    patches) nor a patch budget for Qwen, nor presentation timestamps for a model that writes no
+    times into the prompt.
     """
     problems: list[str] = []
+    if contract.timestamps == "presentation" and not geometry.writes_timestamps:
+        problems.append(
+            "timestamps: contract timestamps='presentation', but checkpoint model_type="
+            f"{geometry.model_type} writes no times into the prompt (use timestamps='nominal')"
+        )
 
     def differ(name: str, wanted: object, actual: object) -> None:
         if wanted is not None and actual is not None and wanted != actual:
@@ -222,3 +260,71 @@ def check_geometry(contract: VideoSamplingContract, geometry: VisionGeometry, *,
             + ". Fix the contract (--model-loader-extra-config "
             f"{CONTRACT_CONFIG_KEY}) or serve the checkpoint it was written for."
         )
+
+
+@dataclass(frozen=True)
+class ContractFit:
+    """A contract fitted to one checkpoint's processor (:func:`fit_contract`)."""
+
+    contract: VideoSamplingContract
+    keep_video_bytes: bool
+    """Whether an encoded video's metadata carries its bytes (``original_video_bytes``): only for
+    a Nemotron model with ``use_audio_in_video`` set server-wide, whose processor decodes each
+    video's audio track from them."""
+    adaptations: tuple[str, ...]
+    """One line for each way the media-io block differs from the contract's own
+    (:meth:`VideoSamplingContract.to_media_io_kwargs`), with the reason; empty when none does."""
+
+    def media_io_kwargs(self) -> dict[str, Any]:
+        """The ``"video"`` block for this checkpoint: the contract's, with ``keep_video_bytes`` stated."""
+        return {**self.contract.to_media_io_kwargs(), KEEP_VIDEO_BYTES_OPTION: self.keep_video_bytes}
+
+
+def fit_contract(
+    contract: VideoSamplingContract,
+    geometry: VisionGeometry,
+    *,
+    checkpoint: str,
+    keep_video_bytes: bool | None = None,
+    audio_in_video: bool = False,
+) -> ContractFit:
+    """Fit ``contract`` to the processor of the checkpoint ``geometry`` was read from (the module
+    docstring says what each family's processor takes).
+
+    Args:
+        checkpoint: how messages name the checkpoint.
+        keep_video_bytes: the block's ``keep_video_bytes`` (``None``: not given, decided here).
+        audio_in_video: vLLM runs with ``use_audio_in_video`` in ``--mm-processor-kwargs``.
+
+    Raises:
+        ValueError: one line naming ``checkpoint`` and, per contradiction, the contract's (or the
+            block's) value and the checkpoint's.
+    """
+    problems = geometry_mismatches(contract, geometry)
+    family = geometry.model_type or geometry.family
+    needs_bytes = geometry.family == "nemotron" and audio_in_video
+    if keep_video_bytes and geometry.family != "nemotron":
+        problems.append(
+            f"{KEEP_VIDEO_BYTES_OPTION}: block {KEEP_VIDEO_BYTES_OPTION}=true, checkpoint "
+            f"model_type={family} builds transformers.VideoMetadata from the metadata, which refuses "
+            "original_video_bytes"
+        )
+    if keep_video_bytes is False and needs_bytes:
+        problems.append(
+            f"{KEEP_VIDEO_BYTES_OPTION}: block {KEEP_VIDEO_BYTES_OPTION}=false (or unset), server "
+            "use_audio_in_video=true, and the processor decodes each video's audio track from its bytes "
+            f"(set {KEEP_VIDEO_BYTES_OPTION}: true)"
+        )
+    if problems:
+        raise ValueError(
+            f"the video sampling contract ({contract.style}) cannot be served to {checkpoint}: "
+            + "; ".join(problems)
+        )
+    adaptations: list[str] = []
+    if needs_bytes and keep_video_bytes is None:
+        adaptations.append(
+            f"{KEEP_VIDEO_BYTES_OPTION}=true: with use_audio_in_video the {family} processor decodes each "
+            "video's audio track from its bytes"
+        )
+    keep = needs_bytes if keep_video_bytes is None else keep_video_bytes
+    return ContractFit(contract, keep_video_bytes=keep, adaptations=tuple(adaptations))

@@ -35,17 +35,22 @@ The returned metadata holds exactly the keys vLLM's own loaders return (``total_
 ``fps``, ``duration``, ``video_backend``, ``frames_indices``, ``do_sample_frames``): Qwen2-VL,
 Qwen2.5-VL and Qwen3-VL build ``transformers.VideoMetadata`` from all of them but
 ``do_sample_frames`` and fail on any other key; Nemotron Nano VL reads ``fps`` and
-``frames_indices`` and ignores the rest.
+``frames_indices`` and ignores the rest. ``do_sample_frames`` is always false: the frames are the
+contract's sample, final, as the trainer's processors take them. (vLLM's own loaders set it when
+they return every frame, and Qwen3-VL's processor then samples again by its own rule: a ``uniform``
+contract taking all 16 frames of a clip was served as 4.)
 
-For the Nemotron styles (``uniform``, ``nemotron_rounded``) an encoded video's metadata also holds
-``original_video_bytes``, the input itself, as vLLM's ``nemotron_vl`` loader returns it for every
-Nemotron Nano VL V2 / Omni video: with ``use_audio_in_video`` set server-wide
-(``--mm-processor-kwargs``), vLLM's Nemotron processor decodes the video's audio track from those
-bytes (``load_audio_pyav``) and fails the request without them. The bytes are the input the loader
-already accepted under ``max_input_bytes``, so they are bounded by it; frame manifests and bundles
-carry none (their frames have no audio track). The block key ``keep_video_bytes`` overrides the
-default: ``false`` drops them (a non-Nemotron model served with the ``uniform`` style whose processor
-would refuse the key), ``true`` with a Qwen style is refused (Qwen's ``VideoMetadata`` fails on it).
+The loader cannot tell which model it serves (vLLM hands it the media's bytes and the block's keys),
+so what the model's processor reads besides the frames is stated in the block, written for the
+model (:func:`vllm_video_plugin.geometry.fit_contract`): with ``keep_video_bytes: true`` an encoded
+video's metadata also holds ``original_video_bytes``, the input itself, as vLLM's ``nemotron_vl``
+loader returns it. With ``use_audio_in_video`` set server-wide (``--mm-processor-kwargs``), vLLM's
+Nemotron Omni processor decodes the video's audio track from those bytes (``load_audio_pyav``) and
+fails the request without them; Qwen's ``VideoMetadata`` fails with them. Unset, the bytes do not
+travel, whatever the style (the style says how frames are chosen, not which model reads them). The
+bytes are the input the loader already accepted under ``max_input_bytes``, so they are bounded by
+it; frame manifests and bundles carry none (their frames have no audio track). The ``video_grpo``
+model loader checks a server-wide block against the checkpoint at start-up.
 """
 
 from __future__ import annotations
@@ -59,7 +64,12 @@ from numpy.typing import NDArray
 from vllm.multimodal.video import VideoLoader
 
 from vllm_video_plugin.cache import shared_decode_cache
-from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
+from vllm_video_plugin.contract import (
+    KEEP_VIDEO_BYTES_OPTION,
+    VIDEO_BYTES_KEY,
+    VIDEO_LOADER_NAME,
+    VideoSamplingContract,
+)
 from vllm_video_plugin.decode import DecodeLimits, source_label
 from vllm_video_plugin.errors import VideoDecodeError
 from vllm_video_plugin.manifest import MEDIA_ROOT_ENV, ManifestError, load_manifest_frames, sniff_media
@@ -79,32 +89,18 @@ MEDIA_ROOT_OPTION = "media_root"
 """Key of the media-io ``"video"`` block naming the manifests' media root."""
 DECODE_LIMITS_OPTION = "decode_limits"
 """Key of the media-io ``"video"`` block holding :class:`~vllm_video_plugin.decode.DecodeLimits` fields."""
-KEEP_VIDEO_BYTES_OPTION = "keep_video_bytes"
-"""Key of the media-io ``"video"`` block that overrides whether the metadata carries the source bytes."""
-VIDEO_BYTES_KEY = "original_video_bytes"
-"""Metadata key of an encoded video's source bytes (vLLM's ``nemotron_vl`` loader's name for it)."""
-
-# Styles whose models' processors take the source bytes (Nemotron Nano VL V2 / Omni).
-_BYTES_STYLES = frozenset({"uniform", "nemotron_rounded"})
 
 
-def _keeps_video_bytes(contract: VideoSamplingContract, option: Any) -> bool:
-    """Whether an encoded video's metadata carries its bytes (see the module docstring).
+def _keeps_video_bytes(option: Any) -> bool:
+    """Whether an encoded video's metadata carries its bytes: the block's ``keep_video_bytes``,
+    false when unset (see the module docstring).
 
     Raises:
-        ValueError: ``option`` is not a boolean or ``None``, or is ``True`` for a Qwen style.
+        ValueError: ``option`` is not a boolean or ``None``.
     """
     if option is not None and not isinstance(option, bool):
         raise ValueError(f"{KEEP_VIDEO_BYTES_OPTION}={option!r} is not a boolean")
-    if option is None:
-        return contract.style in _BYTES_STYLES
-    if option and contract.style not in _BYTES_STYLES:
-        raise ValueError(
-            f"{KEEP_VIDEO_BYTES_OPTION}=true with style {contract.style!r}: that style's models build "
-            f"transformers.VideoMetadata from the metadata, which fails on {VIDEO_BYTES_KEY!r}; only "
-            f"the styles {sorted(_BYTES_STYLES)} (Nemotron) carry the source bytes"
-        )
-    return option
+    return bool(option)
 
 
 def resolve_media_root(option: str | os.PathLike[str] | None) -> Path | None:
@@ -129,8 +125,7 @@ def resolve_media_root(option: str | os.PathLike[str] | None) -> Path | None:
 def hf_video_metadata(sample: FrameSample) -> dict[str, Any]:
     """vLLM's video metadata for frames sampled as ``sample`` (see the module docstring).
 
-    ``do_sample_frames`` follows vLLM's loaders: true exactly when every source frame was
-    returned, in which case the model's processor samples the frames itself.
+    ``do_sample_frames`` is false: the frames are final, and no processor samples them again.
     """
     return {
         "total_num_frames": sample.total_frames,
@@ -138,7 +133,7 @@ def hf_video_metadata(sample: FrameSample) -> dict[str, Any]:
         "duration": sample.duration_s,
         "video_backend": VIDEO_LOADER_NAME,
         "frames_indices": list(sample.indices),
-        "do_sample_frames": len(sample.indices) == sample.total_frames,
+        "do_sample_frames": False,
     }
 
 
@@ -165,7 +160,7 @@ class VideoGRPOLoader(VideoLoader):
             decode_limits: :class:`~vllm_video_plugin.decode.DecodeLimits` fields (``None``: the
                 defaults); ``max_input_bytes`` also bounds a manifest or bundle plus its frames.
             keep_video_bytes: whether an encoded video's metadata carries ``data`` as
-                :data:`VIDEO_BYTES_KEY`; ``None``: for the Nemotron styles only.
+                :data:`VIDEO_BYTES_KEY`; ``None``: it does not.
             **kwargs: the other keys of the media-io ``"video"`` block: the contract's fields.
 
         Returns:
@@ -182,7 +177,7 @@ class VideoGRPOLoader(VideoLoader):
         """
         contract = VideoSamplingContract.from_media_io_kwargs({"num_frames": num_frames, **kwargs})
         limits = DecodeLimits.from_mapping(decode_limits or {})
-        keep_bytes = _keeps_video_bytes(contract, keep_video_bytes)
+        keep_bytes = _keeps_video_bytes(keep_video_bytes)
         if sniff_media(data) == "video":
             if len(data) > limits.max_input_bytes:
                 # Checked before the cache too: a cached decode skips the decoder's own checks.

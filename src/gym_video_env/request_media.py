@@ -21,7 +21,14 @@ This module does not import NeMo Gym.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import base64
+import binascii
+import hashlib
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal, get_args
 
 import pluggy
@@ -29,12 +36,15 @@ import pluggy
 from gym_video_env.handlers import MEDIA_PART_TYPES, is_media_part
 from gym_video_env.hookspecs import MediaError, MediaSettings
 from gym_video_env.plugins import get_plugin_manager
+from vllm_video_plugin.inputs import input_name
 
 __all__ = [
     "TOOL_OUTPUT_MEDIA_POLICIES",
     "MediaRequestError",
     "ToolOutputMediaPolicy",
+    "chat_media_urls",
     "count_media_parts",
+    "name_media_error",
     "prepare_request_media",
     "relocate_tool_outputs",
 ]
@@ -142,6 +152,73 @@ def count_media_parts(items: Iterable[Any], part_type: str) -> int:
             if isinstance(parts, list):
                 count += sum(1 for part in parts if isinstance(part, dict) and part.get("type") == part_type)
     return count
+
+
+def chat_media_urls(messages: Iterable[Any]) -> list[str]:
+    """The URLs of the ``video_url`` and ``image_url`` parts of chat ``messages``, in order."""
+    urls: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in ("video_url", "image_url"):
+                continue
+            ref = part.get(part["type"])
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if isinstance(url, str):
+                urls.append(url)
+    return urls
+
+
+_CONTENT_LABEL = re.compile(r"<bytes sha256:([0-9a-f]{16})>")
+
+
+def name_media_error(message: str, urls: Sequence[str], settings: MediaSettings) -> str:
+    """vLLM's error ``message`` for a request whose media are ``urls``, with the failing input named.
+
+    vLLM's loaders name a video by its content (``<bytes sha256:...>``); this package's media
+    connector puts its name before that, relative to vLLM's allowed path and in a form vLLM's path
+    filter leaves alone (``a.mp4 in data/clips/``). Here the input is named as the request named
+    it: the local file (relative to :attr:`MediaSettings.media_root`) or ``data:`` URL whose
+    content has that label, or the only media input of the request; the connector's name, if
+    there, gives way to it. ``message`` is returned unchanged when it carries no content label,
+    or no input can be told to be the one.
+    """
+    match = _CONTENT_LABEL.search(message)
+    if match is None or not urls:
+        return message
+    candidates = [url for url in urls if _content_label(url) == match.group(1)]
+    if not candidates and len(urls) == 1 and not urls[0].lower().startswith(("http://", "https://")):
+        candidates = list(urls)
+    if len(candidates) != 1:
+        return message
+    name = input_name(candidates[0], media_root=settings.media_root)
+    if name in message:
+        return message
+    before = message[: match.start()].strip()
+    if before and before.split(" in ")[0] == PurePosixPath(name).name:
+        # This package's connector named it, relative to vLLM's allowed path and in the form
+        # vLLM's filter leaves alone ("a.mp4 in data/clips/"): name it as the request did instead.
+        return f"{name} {message[match.start() :]}"
+    return f"{name} {message}"
+
+
+def _content_label(url: str) -> str | None:
+    """The first 16 hex digits of the SHA-256 of a ``file://`` or ``data:`` URL's bytes (``None``
+    when they cannot be read)."""
+    try:
+        if url[:5].lower() == "data:":
+            header, _, payload = url.partition(",")
+            if header.lower().endswith(";base64"):
+                data = base64.b64decode("".join(payload.split()), validate=True)
+            else:
+                data = urllib.parse.unquote_to_bytes(payload)
+        elif url[:7].lower() == "file://":
+            data = Path(urllib.request.url2pathname(urllib.parse.urlsplit(url).path)).read_bytes()
+        else:
+            return None
+    except (OSError, ValueError, binascii.Error):
+        return None
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _tool_output_media(item: Any) -> bool:

@@ -33,6 +33,7 @@ from rl_bridge.trajectory import MediaPart
 from vllm_video_plugin.cache import DecodeCache, shared_decode_cache
 from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
 from vllm_video_plugin.errors import VideoGRPOError
+from vllm_video_plugin.inputs import input_name
 from vllm_video_plugin.manifest import load_manifest_frames, sniff_media
 
 __all__ = [
@@ -230,7 +231,9 @@ class MediaStore:
         except MediaProcessingError as error:
             raise MediaLoadError("unsupported_media", part.location, error.reason) from error
         except VideoGRPOError as error:
-            raise MediaLoadError("media_undecodable", part.location, str(error)) from error
+            # The decoders name the content (<bytes sha256:...>); name the input beside it.
+            name = input_name(part.ref.value, media_root=self.settings.media_root)
+            raise MediaLoadError("media_undecodable", part.location, f"{name} {error}") from error
 
 
 def _data_url_bytes(url: str, location: str) -> bytes:

@@ -36,8 +36,9 @@ _registered = False
 
 
 def register() -> None:
-    """Register the video loader (``video_grpo``), the model loader (``--load-format video_grpo``)
-    and the CPU weight-transfer engine (``--weight-transfer-config '{"backend": "video_grpo_gloo"}'``).
+    """Register the video loader (``video_grpo``), the model loader (``--load-format video_grpo``),
+    the media connector that names inputs in media errors (``VLLM_MEDIA_CONNECTOR=video_grpo``) and
+    the CPU weight-transfer engine (``--weight-transfer-config '{"backend": "video_grpo_gloo"}'``).
 
     Idempotent and cheap (no I/O, no config reads); vLLM calls it once in each process it starts.
     A name already taken in a registry is left alone, never overwritten.
@@ -54,13 +55,17 @@ def register() -> None:
     compat.check_supported()
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.model_executor import model_loader as vllm_model_loaders
+    from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
+    from vllm_video_plugin.connector import CONNECTOR_NAME, VideoGRPOMediaConnector
     from vllm_video_plugin.loaders import VideoGRPOLoader
     from vllm_video_plugin.model_loader import MODEL_LOADER_NAME, VideoGRPOModelLoader
 
     if VIDEO_LOADER_NAME not in VIDEO_LOADER_REGISTRY.name2class:
         VIDEO_LOADER_REGISTRY.register(VIDEO_LOADER_NAME)(VideoGRPOLoader)
+    if CONNECTOR_NAME not in MEDIA_CONNECTOR_REGISTRY.name2class:
+        MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)(VideoGRPOMediaConnector)
     # vLLM has no public lookup of load formats; registering a taken one would overwrite it.
     if MODEL_LOADER_NAME not in vllm_model_loaders._LOAD_FORMAT_TO_MODEL_LOADER:
         vllm_model_loaders.register_model_loader(MODEL_LOADER_NAME)(VideoGRPOModelLoader)

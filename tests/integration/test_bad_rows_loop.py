@@ -180,6 +180,12 @@ def test_each_bad_row_is_masked_with_a_reason_naming_its_file(
     # The model server names the file it cannot find in the error itself.
     (missing,) = [task_id for task_id, name in bad.items() if name == "missing_file.mp4"]
     assert all("missing_file.mp4: no such file" in entry["detail"] for entry in by_row[missing])
+    # So does every refusal of a file's content, as the row names it (relative to the media root),
+    # its content hash beside it: the Gym model server names vLLM's refusals, the trainer its own.
+    for entry in masked:
+        if entry["reason"] != "rollout_crashed_server":
+            (reference,) = entry["media"]
+            assert reference in entry["detail"], entry
 
 
 def test_the_clip_that_kills_vllm_is_convicted_and_masked_and_the_run_goes_on(

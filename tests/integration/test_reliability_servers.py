@@ -6,9 +6,9 @@ limit), manifests confined by ``VIDEO_GRPO_MEDIA_ROOT``, ``file://`` media allow
 pytest temp root, which holds the corpus's media root and none of its escaping targets (the
 session's shared ``vllm_corpus_server``, which the rollout-fault tests use after these). One Gym
 ``video_vllm_model`` server runs in front of it with the corpus's media root and byte limit. Every
-bad request must be answered 4xx with a message naming the input and the reason, and a good
-request must succeed right after it: nothing hangs, nothing takes a server down. Observations go
-to the reliability report.
+bad request must be answered 4xx with a message naming the input and the reason (a file by its
+path, through vLLM's own filter of paths in messages), and a good request must succeed right after
+it: nothing hangs, nothing takes a server down. Observations go to the reliability report.
 """
 
 from __future__ import annotations
@@ -125,10 +125,17 @@ def _judge(
         assert 400 <= response.status_code < 500, f"{case.id} at {layer}: not a client error: {detail}"
 
 
-def _names_the_input(case: BadInput, detail: str) -> None:
-    names = ["<bytes sha256:", "input[", "must be a subpath", "hologram"]
-    if case.path is not None:
-        names.append(case.path.name)
+def _names_the_input(case: BadInput, detail: str, *, layer: str, corpus: Corpus) -> None:
+    """A file inside the media root is named: at vLLM by its name (its path is relative to vLLM's
+    allowed path, in the form vLLM's path filter leaves alone, ``a.mp4 in dir/sub/``), at Gym by its
+    path relative to the media root. Other inputs by their part, URL or content."""
+    if case.path is not None and case.path.is_relative_to(corpus.media_root):
+        relative = case.path.relative_to(corpus.media_root).as_posix()
+        name = case.path.name if layer == "vllm_server" else relative
+        assert name in detail, f"{case.id} at {layer}: the error does not name {name}: {detail}"
+        assert "<path>" not in detail.partition(":")[0], f"{case.id} at {layer}: {detail}"
+        return
+    names = ["<bytes sha256:", "input[", "must be a subpath", "hologram", "data:video/mp4"]
     assert any(name in detail for name in names), f"{case.id}: the error names no input: {detail}"
 
 
@@ -142,7 +149,7 @@ def test_vllm_server(
     response = _vllm_chat(servers, case.chat_content)
     _judge(reliability_report, case, "vllm_server", response, time.monotonic() - started)
     if response.status_code != 200:
-        _names_the_input(case, _error_message(response))
+        _names_the_input(case, _error_message(response), layer="vllm_server", corpus=bad_input_corpus)
     good = _vllm_chat(servers, _good_content(bad_input_corpus))
     assert good.status_code == 200, f"after {case.id}, a good request failed: {good.text}"
     assert servers.vllm.process.poll() is None
@@ -157,7 +164,7 @@ def test_gym_server(
     response = _gym_responses(servers, case.items)
     _judge(reliability_report, case, "gym_server", response, time.monotonic() - started)
     if response.status_code != 200:
-        _names_the_input(case, _error_message(response))
+        _names_the_input(case, _error_message(response), layer="gym_server", corpus=bad_input_corpus)
     good = _gym_responses(servers, _good_items(bad_input_corpus))
     assert good.status_code == 200, f"after {case.id}, a good request failed: {good.text}"
     assert servers.vllm.process.poll() is None

@@ -22,9 +22,11 @@ under test are configured with); the over-budget video relies on the default pix
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import struct
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,6 +416,52 @@ def _data_url_over_limit(media_root: Path, outside: Path) -> BadInput:
     )
 
 
+def _missing_file(media_root: Path, outside: Path) -> BadInput:
+    path = media_root / "missing" / "never_written.mp4"  # not under videos/: the bad-row runs add their own
+    return BadInput(
+        id="missing_file",
+        description="a reference (and a file:// URL) to a video inside the media root that does not exist",
+        expected={
+            "vllm_server": "error",
+            "gym_request": "error",
+            "gym_server": "error",
+            "dataset": "error",
+            "trainer": "error",
+        },
+        items=[_user({"type": "input_video", "video_url": path.relative_to(media_root).as_posix()})],
+        path=path,
+        url=path.as_uri(),
+        chat_content=_chat_video(path.as_uri()),
+        note="A client error everywhere: vLLM's own connector lets the missing file's OSError through "
+        "(HTTP 500, the path replaced by <path>); this package's media connector answers 400 naming "
+        "the path relative to the allowed local media path.",
+    )
+
+
+def _bundle_claiming_frames(media_root: Path, outside: Path) -> BadInput:
+    frame = io.BytesIO()
+    Image.fromarray(indexed_frames(1, width=_SIZE, height=_SIZE)[0]).save(frame, format="PNG")
+    manifest = {
+        "format": "video_grpo.frames/v1",
+        "source_fps": 30.0,
+        "total_frames": 100_000,
+        "frames": [{"path": "0.png", "index": 0}],
+    }
+    path = media_root / "manifests" / "claims_frames.zip"
+    with zipfile.ZipFile(path, "w") as bundle:
+        bundle.writestr("manifest.json", json.dumps(manifest))
+        bundle.writestr("0.png", frame.getvalue())
+    return _file_case(
+        "bundle_claims_frames",
+        "a frame bundle of one cached frame claiming total_frames=100000",
+        path,
+        media_root,
+        _UNDECODABLE,
+        note="Refused as malformed: every index a contract samples past the cached frames would be "
+        "served by the same frame, repeated (it was served as 128 video tokens of one frame).",
+    )
+
+
 def _file_url_outside(media_root: Path, outside: Path) -> BadInput:
     path = good_video(outside / "outside.mp4")
     return BadInput(
@@ -578,7 +626,9 @@ _CASES: Final[tuple[Callable[[Path, Path], BadInput], ...]] = (
     _manifest_case(
         "manifest_wrong_types", "a frame manifest with source_fps and index as strings", _wrong_types
     ),
+    _bundle_claiming_frames,
     _data_url_over_limit,
+    _missing_file,
     _file_url_outside,
     _tool_output_media,
     _unknown_part_type,

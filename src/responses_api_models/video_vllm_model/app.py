@@ -16,7 +16,9 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   trainer knows how the frames of a trajectory were sampled.
 - A request vLLM refuses (HTTP 4xx: a video that does not decode, a ``file://`` URL outside its
   allowed path, a decode limit) is answered with vLLM's status and error body, not as a server
-  error (the stock server does this for context-length errors only).
+  error (the stock server does this for context-length errors only). When vLLM names the media by
+  content only (``<bytes sha256:...>``), the message names the input as the request did too: its
+  path relative to ``media_root``, or its URL (:func:`gym_video_env.request_media.name_media_error`).
 - ``vllm_connection_retries`` bounds the retries of a vanished vLLM (the stock server retries
   forever unless it follows an endpoint file): a caller that supervises vLLM decides instead
   whether to restart it, re-dispatch, or stop sending an input that kills it, and an input that
@@ -25,6 +27,7 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,7 +49,13 @@ from responses_api_models.vllm_model.app import (
 )
 
 from gym_video_env import MediaSettings
-from gym_video_env.request_media import MediaRequestError, ToolOutputMediaPolicy, prepare_request_media
+from gym_video_env.request_media import (
+    MediaRequestError,
+    ToolOutputMediaPolicy,
+    chat_media_urls,
+    name_media_error,
+    prepare_request_media,
+)
 from vllm_video_plugin.contract import VideoSamplingContract
 
 CONTRACT_METADATA_KEY = "video_sampling_contract"
@@ -162,9 +171,29 @@ class VideoVLLMModel(VLLMModel):
             return await super().chat_completions(request, body)
         except ClientResponseError as error:
             if 400 <= error.status < 500:
+                self._name_media_input(error, body)
                 # The stock middleware then answers with vLLM's status and body.
                 setattr(error, _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, True)
             raise
+
+    def _name_media_input(self, error: ClientResponseError, body: Any) -> None:
+        """Name the failing media input in vLLM's error body (``error.response_content``)."""
+        content = getattr(error, "response_content", None)
+        try:
+            document = json.loads(content) if content else None
+        except ValueError:
+            return
+        if not isinstance(document, dict):
+            return
+        holder = document.get("error") if isinstance(document.get("error"), dict) else document
+        message = holder.get("message")
+        if not isinstance(message, str):
+            return
+        messages = body.model_dump(mode="json").get("messages", []) if hasattr(body, "model_dump") else []
+        named = name_media_error(message, chat_media_urls(messages), self._media_settings)
+        if named != message:
+            holder["message"] = named
+            error.response_content = json.dumps(document).encode()
 
     def _preprocess_chat_completion_create_params(
         self, request: Request, body_dict: dict[str, Any]

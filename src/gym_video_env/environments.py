@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -37,6 +37,7 @@ __all__ = [
     "mcqa_row",
     "read_rows_jsonl",
     "segment_tool_output",
+    "video_last_segment_rows",
     "video_mcqa_rows",
     "video_segment_question_rows",
     "video_segments_rows",
@@ -50,6 +51,7 @@ _LETTERS: Final = "ABCDEFGH"
 _SEGMENTS_STREAM: Final = 101
 _SEGMENT_QUESTION_STREAM: Final = 102
 _SAME_COLOUR_STREAM: Final = 103
+_LAST_SEGMENT_STREAM: Final = 104
 
 
 def mcqa_row(
@@ -258,7 +260,10 @@ def video_segment_question_rows(
             f"num_options must be between num_segments={num_segments} and {len(SATURATED_COLOURS)}, "
             f"got {num_options}"
         )
-    for name, fraction in (("shown_fraction", shown_fraction), ("same_colour_fraction", same_colour_fraction)):
+    for name, fraction in (
+        ("shown_fraction", shown_fraction),
+        ("same_colour_fraction", same_colour_fraction),
+    ):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {fraction}")
     config = config or ClipConfig()
@@ -274,7 +279,9 @@ def video_segment_question_rows(
     rows = []
     for row in range(n):
         rng = np.random.default_rng([seed, row, _SEGMENT_QUESTION_STREAM])
-        colours = [SATURATED_COLOURS[i] for i in rng.choice(len(SATURATED_COLOURS), num_segments, replace=False)]
+        colours = [
+            SATURATED_COLOURS[i] for i in rng.choice(len(SATURATED_COLOURS), num_segments, replace=False)
+        ]
         named = int(rng.integers(num_segments)) + 1
         # A stream of its own: rows without same-colour segments stay what they were.
         same = bool(np.random.default_rng([seed, row, _SAME_COLOUR_STREAM]).random() < same_colour_fraction)
@@ -296,7 +303,9 @@ def video_segment_question_rows(
         # row, a position one attention head can learn to copy from (after options of varying
         # length it moves from row to row).
         prompt = "\n".join([*(f"{letter}. {text}" for letter, text in options.items()), question])
-        content: list[dict[str, Any]] = [{"type": "input_video", "video_url": clips[colours[named - 1]]}] if shown else []
+        content: list[dict[str, Any]] = (
+            [{"type": "input_video", "video_url": clips[colours[named - 1]]}] if shown else []
+        )
         content.append({"type": "input_text", "text": f"{prompt}\n{instruction}"})
         rows.append(
             {
@@ -312,6 +321,112 @@ def video_segment_question_rows(
                 "same_colour": same,
                 "options": options,
                 "answer": next(letter for letter, text in options.items() if text == colours[named - 1]),
+            }
+        )
+    return rows
+
+
+def video_last_segment_rows(
+    media_root: str | os.PathLike[str],
+    n: int,
+    *,
+    seed: int,
+    num_segments: int = 2,
+    num_options: int = 6,
+    config: ClipConfig | None = None,
+    later_clips: Literal["shown", "blank"] = "shown",
+    earlier_colours: Literal["any", "non_option"] = "any",
+    subdir: str = "video_last_segment",
+) -> list[dict[str, Any]]:
+    """``n`` rows asking the colour of the last of ``num_segments`` segments the prompt does not show.
+
+    Every segment is one clip filled with one colour in every frame (one clip per colour, written
+    once under ``media_root/subdir``). The last segment's colour is the answer, drawn from the
+    first ``num_options`` palette colours, which are the options, sorted by name (a letter always
+    names the same colour). The earlier segments show distinct other colours, never the answer's:
+    their clips alone do not tell it (a model that reads only the first clip answers below
+    chance), and a model that reads every clip must tell which one came last.
+    ``earlier_colours="non_option"``: the earlier segments show only colours that are no option
+    (needs ``num_options`` below the number of colours), so a model that reads which option colour
+    the clips show answers right without telling which clip came last; the answer is still in the
+    last clip only.
+
+    ``later_clips="blank"`` (the control): every segment after the first is a black clip, so the
+    answer is in no clip the model sees; a model that learns from the shown task then stays at
+    chance or below. Fields besides ``responses_create_params`` (no video; tools:
+    :func:`watch_segment_tool`): ``task_id``, ``segments`` (clip paths relative to the media root,
+    in segment order, as the environment returns them), ``segment_colours`` (what each segment
+    shows before any blanking), ``options`` and ``answer``.
+
+    Raises:
+        ValueError: ``n < 1``, fewer than 2 or more segments than colours, or ``num_options``
+            outside ``[2, number of colours]`` (``earlier_colours="non_option"``: below it).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1 row, got {n}")
+    if not 2 <= num_segments <= len(SATURATED_COLOURS):
+        raise ValueError(f"num_segments must be between 2 and {len(SATURATED_COLOURS)}, got {num_segments}")
+    if not 2 <= num_options <= len(SATURATED_COLOURS):
+        raise ValueError(f"num_options must be between 2 and {len(SATURATED_COLOURS)}, got {num_options}")
+    if later_clips not in ("shown", "blank"):
+        raise ValueError(f"later_clips must be 'shown' or 'blank', got {later_clips!r}")
+    if earlier_colours not in ("any", "non_option"):
+        raise ValueError(f"earlier_colours must be 'any' or 'non_option', got {earlier_colours!r}")
+    if earlier_colours == "non_option" and num_options >= len(SATURATED_COLOURS):
+        raise ValueError(
+            f"earlier_colours='non_option' needs num_options below {len(SATURATED_COLOURS)} (a colour "
+            f"that is no option), got {num_options}"
+        )
+    config = config or ClipConfig()
+    out_dir = Path(media_root) / subdir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clips: dict[str, str] = {}
+    for colour in (*SATURATED_COLOURS, "black"):
+        frames = [solid_frame(colour, width=config.width, height=config.height)] * config.num_frames
+        written = write_video(
+            out_dir / f"{colour}{config.suffix}", frames, fps=config.fps, codec=config.codec
+        )
+        clips[colour] = f"{subdir}/{written.path.name}"
+    texts = sorted(SATURATED_COLOURS[:num_options])
+    letters = _LETTERS[: len(texts)]
+    options = dict(zip(letters, texts, strict=True))
+    question = (
+        f"A video is split into {num_segments} segments, shown to you one at a time. "
+        "Which colour fills the last segment?"
+    )
+    prompt = "\n".join([question, *(f"{letter}. {text}" for letter, text in options.items())])
+    rows = []
+    for row in range(n):
+        rng = np.random.default_rng([seed, row, _LAST_SEGMENT_STREAM])
+        answer = texts[int(rng.integers(len(texts)))]
+        if earlier_colours == "any":
+            others = [c for c in SATURATED_COLOURS if c != answer]
+        else:
+            others = [c for c in SATURATED_COLOURS if c not in texts]
+        earlier = [
+            others[i]
+            for i in rng.choice(len(others), num_segments - 1, replace=num_segments - 1 > len(others))
+        ]
+        colours = [*earlier, answer]
+        shown = [
+            clips[c] if k == 0 or later_clips == "shown" else clips["black"] for k, c in enumerate(colours)
+        ]
+        rows.append(
+            {
+                "responses_create_params": {
+                    "input": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": f"{prompt}\n{BOXED_INSTRUCTION}"}],
+                        }
+                    ],
+                    "tools": [watch_segment_tool(num_segments)],
+                },
+                "task_id": f"last-segment-s{seed}-{row:05d}",
+                "segments": shown,
+                "segment_colours": colours,
+                "options": options,
+                "answer": next(letter for letter, text in options.items() if text == answer),
             }
         )
     return rows

@@ -10,6 +10,7 @@ import pytest
 from gym_video_env.environments import (
     read_rows_jsonl,
     segment_tool_output,
+    video_last_segment_rows,
     video_mcqa_rows,
     video_segment_question_rows,
     video_segments_rows,
@@ -125,6 +126,44 @@ def test_a_segment_question_needs_the_named_segment_s_clip(tmp_path: Path) -> No
         assert row["shown_segment"] is None
 
 
+def test_a_last_segment_question_is_answered_by_the_last_clip_only(tmp_path: Path) -> None:
+    rows = video_last_segment_rows(tmp_path, 30, seed=5, num_segments=3, num_options=6)
+    assert {row["answer"] for row in rows} == set("ABCDEF")
+    for row in rows:
+        params = row["responses_create_params"]
+        assert all(part["type"] == "input_text" for part in params["input"][0]["content"])  # no video
+        assert row["options"] == dict(zip("ABCDEF", sorted(SATURATED_COLOURS), strict=True))
+        colours = [_clip_colour(tmp_path / segment) for segment in row["segments"]]
+        assert colours == row["segment_colours"]
+        assert row["options"][row["answer"]] == colours[-1]
+        assert len(set(colours)) == 3  # the earlier clips never show the answer
+    # The same prompt in every row: only the clips differ.
+    assert len({row["responses_create_params"]["input"][0]["content"][0]["text"] for row in rows}) == 1
+
+
+def test_blank_later_clips_hide_the_answer(tmp_path: Path) -> None:
+    shown = video_last_segment_rows(tmp_path / "shown", 8, seed=5, num_options=4)
+    blank = video_last_segment_rows(tmp_path / "blank", 8, seed=5, num_options=4, later_clips="blank")
+    assert {text for row in shown for text in row["options"].values()} <= set(SATURATED_COLOURS[:4])
+    for a, b in zip(shown, blank, strict=True):
+        assert (a["answer"], a["segment_colours"]) == (b["answer"], b["segment_colours"])
+        assert a["segments"][0] == b["segments"][0]
+        assert _clip_colour(tmp_path / "blank" / b["segments"][1]) == "black"
+        assert _clip_colour(tmp_path / "shown" / a["segments"][1]) == a["options"][a["answer"]]
+
+
+def test_earlier_segments_can_show_only_colours_that_are_no_option(tmp_path: Path) -> None:
+    rows = video_last_segment_rows(
+        tmp_path, 16, seed=6, num_segments=3, num_options=4, earlier_colours="non_option"
+    )
+    for row in rows:
+        *earlier, last = [_clip_colour(tmp_path / segment) for segment in row["segments"]]
+        assert set(earlier) <= set(SATURATED_COLOURS) - set(row["options"].values())
+        assert row["options"][row["answer"]] == last
+    with pytest.raises(ValueError, match="num_options below 6"):
+        video_last_segment_rows(tmp_path, 1, seed=0, num_options=6, earlier_colours="non_option")
+
+
 def test_a_shown_fraction_of_segment_questions_carries_the_named_clip(tmp_path: Path) -> None:
     rows = video_segment_question_rows(tmp_path, 40, seed=4, shown_fraction=0.5)
     shown = [row for row in rows if row["shown_segment"] is not None]
@@ -139,7 +178,9 @@ def test_a_shown_fraction_of_segment_questions_carries_the_named_clip(tmp_path: 
         video_segment_question_rows(tmp_path, 1, seed=0, num_segments=3, num_options=2)
 
 
-def test_a_same_colour_fraction_of_segment_questions_shows_the_answer_in_every_segment(tmp_path: Path) -> None:
+def test_a_same_colour_fraction_of_segment_questions_shows_the_answer_in_every_segment(
+    tmp_path: Path,
+) -> None:
     plain = video_segment_question_rows(tmp_path, 40, seed=5, num_segments=3)
     rows = video_segment_question_rows(tmp_path, 40, seed=5, num_segments=3, same_colour_fraction=0.5)
     same = [row for row in rows if row["same_colour"]]

@@ -14,9 +14,11 @@ import pytest
 import torch
 import yaml
 
+from gym_video_env.grading import LETTER_INSTRUCTION
 from rl_bridge.loop.async_grpo import run_async
 from rl_bridge.loop.config import HardwareError, Recipe, load_recipe
 from rl_bridge.loop.sync import run_sync
+from rl_bridge.loop.tasks import task_rows
 from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit
@@ -124,11 +126,39 @@ def test_nemotron_recipe_asks_for_transformer_engine() -> None:
         (["task.width=2048", "task.height=2048", "task.num_frames=64"], "over model.max_model_len"),
         (["task.environment=segments", "task.name=count"], "task.name must be 'colour'"),
         (["task.bad_row_fraction=1.0"], "bad_row_fraction"),
+        (["task.later_clips=blank"], "apply to task.segments_question='last' only"),
+        (["task.segments_question=last"], "task.environment='segments' only"),
+        (
+            ["task.environment=segments", "task.segments_question=last", "task.num_segments=1"],
+            "num_segments >= 2",
+        ),
+        (
+            ["task.environment=segments", "task.segments_question=last", "task.earlier_colours=non_option"],
+            "num_options < 6",
+        ),
     ],
 )
 def test_inconsistent_settings_are_rejected(overrides: list[str], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         load_recipe(None, overrides)
+
+
+def test_the_multiturn_recipe_shows_the_answer_in_the_last_clip_only_and_its_control_blanks_it(
+    tmp_path: Path,
+) -> None:
+    path = project_root() / "recipes" / "tiny_cpu_multiturn.yaml"
+    shown = task_rows(load_recipe(path).task, tmp_path / "shown", 8, seed=0, subdir="train")
+    blank = task_rows(
+        load_recipe(path, ["task.later_clips=blank"]).task, tmp_path / "blank", 8, seed=0, subdir="train"
+    )
+    for a, b in zip(shown, blank, strict=True):
+        params = a["responses_create_params"]
+        assert params["tool_choice"] == "none"
+        assert params["input"][0]["content"][0]["text"].endswith(LETTER_INSTRUCTION)
+        first, last = a["segment_colours"]
+        assert a["options"][a["answer"]] == last and first in ("cyan", "magenta")
+        assert a["segments"][0] == b["segments"][0] and a["segments"][1] == f"train/{last}.mp4"
+        assert b["segments"][1] == "train/black.mp4" and b["answer"] == a["answer"]
 
 
 def test_nemotron_without_transformer_engine_is_rejected() -> None:

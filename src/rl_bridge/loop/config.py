@@ -303,6 +303,22 @@ class TaskSection(_Section):
     num_segments: int = Field(2, ge=1, le=4)
     """``segments``: clips per question, each returned in a later turn (videos per trajectory);
     ``agentic``: segments of the video (at least 2), of which the model may watch any."""
+    segments_question: Literal["sequence", "last"] = "sequence"
+    """``segments``: ``"sequence"``: the colours of all segments, in order (options are colour
+    sequences); ``"last"``: the colour of the last segment
+    (:func:`gym_video_env.environments.video_last_segment_rows`: options are the first
+    ``num_options`` palette colours sorted, the earlier segments show other colours), so the
+    answer is in the clip of the last turn only."""
+    earlier_colours: Literal["any", "non_option"] = "any"
+    """``segments`` with ``segments_question: last``: the colours of the segments before the last:
+    ``"any"`` other than the answer's, or only colours that are no option (``"non_option"``, with
+    ``num_options`` below 6): the answer is still in the last clip only, but a model that reads
+    which option colour the clips show need not tell which clip came last (a tiny random model
+    learns that; with ``"any"`` it plateaued at 0.5, reading the colours but not their order)."""
+    later_clips: Literal["shown", "blank"] = "shown"
+    """``segments`` with ``segments_question: last``: ``"blank"`` (the control) makes the
+    environment return a black clip for every segment after the first, in training and held-out
+    rows: the answer is then in no clip the model sees."""
     shown_segment_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """``agentic``: fraction of the training rows whose prompt already shows the named segment's
     clip (answerable without a call, where a call only costs): perception data mixed in, so a
@@ -365,6 +381,20 @@ class TaskSection(_Section):
             raise ValueError("task.bad_row_fraction applies to task.environment='mcqa' rows only")
         if self.environment == "agentic" and self.num_segments < 2:
             raise ValueError("task.environment='agentic' needs task.num_segments >= 2 (a choice of segment)")
+        if self.segments_question != "sequence" and self.environment != "segments":
+            raise ValueError("task.segments_question applies to task.environment='segments' only")
+        if (
+            self.later_clips != "shown" or self.earlier_colours != "any"
+        ) and self.segments_question != "last":
+            raise ValueError(
+                "task.later_clips and task.earlier_colours apply to task.segments_question='last' only"
+            )
+        if self.earlier_colours == "non_option" and self.num_options >= 6:
+            raise ValueError(
+                "task.earlier_colours='non_option' needs task.num_options < 6 (a colour that is no option)"
+            )
+        if self.segments_question == "last" and self.num_segments < 2:
+            raise ValueError("task.segments_question='last' needs task.num_segments >= 2 (a later clip)")
         agentic_only = ("tool_call_cost", "shown_segment_fraction", "same_colour_fraction")
         if any(getattr(self, name) for name in agentic_only) and self.environment != "agentic":
             raise ValueError(

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 from gym_video_env.environments import (
     WATCH_SEGMENT_TOOL_NAME,
     mcqa_row,
+    video_last_segment_rows,
     video_segment_question_rows,
     video_segments_rows,
 )
@@ -223,17 +224,30 @@ def _mcqa_rows(
 def _segments_rows(
     task: TaskSection, media_root: Path, n: int, *, seed: int, subdir: str
 ) -> list[dict[str, Any]]:
-    rows = video_segments_rows(
-        media_root,
-        n,
-        seed=seed,
-        num_segments=task.num_segments,
-        num_options=task.num_options,
-        config=_clip_config(task),
-        canonical_options=task.canonical_options,
-        whole_clips=task.whole_clip_only,
-        subdir=subdir,
-    )
+    if task.segments_question == "last":
+        rows = video_last_segment_rows(
+            media_root,
+            n,
+            seed=seed,
+            num_segments=task.num_segments,
+            num_options=task.num_options,
+            config=_clip_config(task),
+            later_clips=task.later_clips,
+            earlier_colours=task.earlier_colours,
+            subdir=subdir,
+        )
+    else:
+        rows = video_segments_rows(
+            media_root,
+            n,
+            seed=seed,
+            num_segments=task.num_segments,
+            num_options=task.num_options,
+            config=_clip_config(task),
+            canonical_options=task.canonical_options,
+            whole_clips=task.whole_clip_only,
+            subdir=subdir,
+        )
     instruction = _instruction(task)
     for row in rows:
         params = row["responses_create_params"]

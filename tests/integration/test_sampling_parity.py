@@ -8,6 +8,7 @@ by :func:`decode_frames` are compared with vLLM's stock OpenCV-based loaders on 
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,21 @@ from vllm.multimodal.video import (
     Qwen3VLVideoBackend,
     VideoBackend,
 )
-from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
 from vllm.transformers_utils.processors.nano_nemotron_vl import calculate_timestamps
 
 from gym_video_env.synthetic import WrittenVideo, indexed_frames, write_video
+from vllm_video_plugin import compat
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames
 from vllm_video_plugin.errors import VideoSamplingError
 from vllm_video_plugin.sampling import sample_frames
 
 pytestmark = pytest.mark.integration
+
+# vLLM 0.29 moved these from vllm.multimodal.video to vllm.multimodal.video_decoders.
+_metadata = importlib.import_module(compat.video_metadata_module())
+VideoSourceMetadata = _metadata.VideoSourceMetadata
+VideoTargetMetadata = _metadata.VideoTargetMetadata
 
 SOURCE_FPS = st.one_of(
     st.sampled_from([1.0, 8.0, 23.976, 24.0, 25.0, 29.97, 30.0, 50.0, 59.94, 60.0, 120.0]),
@@ -136,16 +142,24 @@ def test_qwen3_vl_matches_vllm_and_transformers(
     ours = sample_frames(total, fps, duration, contract)
     target = VideoTargetMetadata(num_frames=-1, fps=target_fps, max_duration=300)
     vllm_source = VideoSourceMetadata(total, fps, duration)
-    expected = Qwen3VLVideoBackend.compute_frames_index_to_sample(
-        vllm_source, target, min_frames=min_frames, max_frames=max_frames
-    )
-    assert list(ours.indices) == expected
     hf = Qwen3VLVideoProcessor(min_frames=min_frames, max_frames=max_frames).sample_frames(
         VideoMetadata(total_num_frames=total, fps=fps if fps > 0 else None), fps=target_fps
     )
+    knows_unknown_fps = compat.qwen3_vl_stock_sampling_knows_unknown_fps()
+    if fps > 0 or knows_unknown_fps:
+        expected = Qwen3VLVideoBackend.compute_frames_index_to_sample(
+            vllm_source, target, min_frames=min_frames, max_frames=max_frames
+        )
+    else:  # vLLM before 0.32 divides by an unknown (0) source rate: transformers is the reference
+        expected = hf.tolist()
+    assert list(ours.indices) == expected
     assert list(ours.indices) == hf.tolist()
-    # The fps vLLM writes into the metadata (24 for an unknown rate) gives the prompt timestamps.
-    written_fps = Qwen3VLVideoBackend._prepare_source(vllm_source).original_fps
+    # The fps vLLM writes into the metadata (24 for an unknown rate, as transformers assumes)
+    # gives the prompt timestamps.
+    if knows_unknown_fps:
+        written_fps = Qwen3VLVideoBackend._prepare_source(vllm_source).original_fps
+    else:
+        written_fps = fps if fps > 0 else 24.0
     assert ours.source_fps == written_fps
     # Both _calculate_timestamps ignore ``self``.
     info: Any = None

@@ -29,7 +29,7 @@ from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoBackend
 import vllm_video_plugin
 from gym_video_env.synthetic import read_frame_index
 from rl_bridge.services.vllm_server import VLLMServer
-from tests.fixtures.vllm import NEMOTRON_NUM_FRAMES
+from tests.fixtures.vllm import NEEDS_MAMBA_ON_CPU, NEMOTRON_NUM_FRAMES
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames
 from vllm_video_plugin.loaders import VIDEO_BYTES_KEY, VideoGRPOLoader, resolve_media_root
@@ -112,9 +112,10 @@ def test_loader_returns_the_stock_frames_and_metadata(
     del block["video_backend"]  # vLLM pops it before calling the loader
     frames, metadata = VIDEO_LOADER_REGISTRY.load(VIDEO_LOADER_NAME).load_bytes(data, **block)
     np.testing.assert_array_equal(frames, stock_frames)
-    # nemotron_vl keeps the source bytes (vLLM's Nemotron processor reads a video's audio track from
-    # them); ours only when the block asks (keep_video_bytes), and nothing else differs.
-    assert VIDEO_BYTES_KEY not in metadata
+    # The Nemotron styles keep the source bytes (vLLM's Nemotron processor reads a video's audio
+    # track from them), as nemotron_vl does; opencv does not, and nothing else differs.
+    kept = metadata.pop(VIDEO_BYTES_KEY, None)
+    assert kept == (data if contract.style == "uniform" else None)
     assert stock_metadata.pop(VIDEO_BYTES_KEY, None) == (data if stock == "nemotron_vl" else None)
     assert set(metadata) == METADATA_KEYS
     assert {**metadata, "video_backend": None} == {**stock_metadata, "video_backend": None}
@@ -193,7 +194,13 @@ class Served:
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(name, marks=pytest.mark.uses_vllm(f.server_fixture)) for name, f in FAMILIES.items()],
+    params=[
+        pytest.param(
+            name,
+            marks=[pytest.mark.uses_vllm(f.server_fixture), *([NEEDS_MAMBA_ON_CPU] if name == "nemotron_vl" else [])],
+        )
+        for name, f in FAMILIES.items()
+    ],
 )
 def served(request: pytest.FixtureRequest, media: Media) -> Served:
     family = FAMILIES[request.param]

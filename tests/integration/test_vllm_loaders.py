@@ -71,7 +71,8 @@ def media(loader_media_root: Path, sample_video: Path) -> Media:
         entries.append({"path": name, "index": index})
     document = {"format": MANIFEST_FORMAT, "source_fps": fps, "total_frames": 16, "frames": entries}
     (root / "clip.frames.json").write_text(json.dumps(document))
-    escaping = {**document, "frames": [{"path": "../outside.png", "index": 0}]}
+    # The first frame (which every family's contract samples) escapes the media root.
+    escaping = {**document, "frames": [{"path": "../outside.png", "index": 0}, *entries[1:]]}
     (root / "escape.frames.json").write_text(json.dumps(escaping))
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as bundle:

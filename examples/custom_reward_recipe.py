@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from rl_bridge.loop import Recipe, load_recipe
-from rl_bridge.loop.config import (
+from rl_bridge.recipe import Recipe, load_recipe
+from rl_bridge.recipe import (
     RolloutSection,
     TaskSection,
     TrainSection,

@@ -187,7 +187,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rl_bridge.console import capture
 
     capture()  # third-party output into the run's log, this project's lines on the console
-    from rl_bridge.loop.config import HardwareError
+    from rl_bridge.recipe import HardwareError
 
     try:
         if recipe.mode == "async":
@@ -206,7 +206,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _load_recipe(args: argparse.Namespace) -> Any:
     """``load_recipe(args.recipe, args.overrides)``; an input error as a :class:`UsageError`."""
-    from rl_bridge.loop.config import load_recipe
+    from rl_bridge.recipe import load_recipe
 
     try:
         return load_recipe(args.recipe, args.overrides)
@@ -218,7 +218,7 @@ def _load_recipe(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rl_bridge.loop.placement import GiB, Hardware, PlacementError, plan_placement
+    from rl_bridge.placement import GiB, Hardware, PlacementError, plan_placement
 
     recipe = _load_recipe(args)
     gpus, memory = args.gpus_per_node, args.gpu_memory_gib

@@ -3,7 +3,7 @@
 A :class:`UsageError` is an error of the input (a file, a key, a type, a value, YAML), not of the
 program: ``video-grpo`` prints its message as one line on stderr and exits 2 (``--debug`` or
 ``VIDEO_GRPO_DEBUG=1``: the traceback instead). Anything else that escapes a command is a bug and
-keeps its traceback. :func:`recipe_error` turns what :func:`rl_bridge.loop.config.load_recipe`
+keeps its traceback. :func:`recipe_error` turns what :func:`rl_bridge.recipe.load_recipe`
 raises into one, naming the file (or the command line), the key and what was expected::
 
     recipes/x.yaml: train.stepz: unknown key, did you mean train.steps? (train has: steps, ...)
@@ -43,7 +43,7 @@ def recipe_error(
         error: the exception.
         path: the recipe file (``None``: the built-in recipe).
         overrides: the ``dotted.key=value`` overrides.
-        model: the pydantic model validated (default :class:`~rl_bridge.loop.config.Recipe`).
+        model: the pydantic model validated (default :class:`~rl_bridge.recipe.Recipe`).
     """
     import yaml
 
@@ -62,7 +62,7 @@ def recipe_error(
 
     if isinstance(error, ValidationError):
         if model is None:
-            from rl_bridge.loop.config import Recipe
+            from rl_bridge.recipe import Recipe
 
             model = Recipe
         return UsageError(validation_message(error, model, path=path, overrides=overrides))

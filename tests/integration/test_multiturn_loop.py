@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from rl_bridge.loop.config import load_recipe
+from rl_bridge.recipe import load_recipe
 from rl_bridge.paths import project_root
 from tests.fixtures.training import TrainedRun, train_cli
 

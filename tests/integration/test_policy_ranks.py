@@ -2,8 +2,8 @@
 with Megatron's distributed optimizer, and as two pipeline stages, against one rank on the same
 batch.
 
-:class:`rl_bridge.loop.policy_ranks.LocalPolicyRanks` starts the ranks as ``video-grpo train``
-does for ``model.cpu_policy_ranks=2``, and :class:`~rl_bridge.loop.policy_ranks.RankedPolicy`
+:class:`rl_bridge.backends.policy_ranks.LocalPolicyRanks` starts the ranks as ``video-grpo train``
+does for ``model.cpu_policy_ranks=2``, and :class:`~rl_bridge.backends.policy_ranks.RankedPolicy`
 splits the batch over them. The batch is the tiny Qwen2.5-VL's video batch of ``tp_check`` (4
 samples, micro-batches of 1), the loss the default GRPO loss, one Adam step at a learning rate of
 1e-3 in fp32.
@@ -39,8 +39,8 @@ def _launch(
     model: Any, batch: list[Any], ranks: int, *, distributed_optimizer: bool, pipeline_parallel: int = 1
 ) -> Launch:
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.loop.placement import PolicyRank
-    from rl_bridge.loop.policy_ranks import LocalPolicyRanks, RankedPolicy
+    from rl_bridge.placement import PolicyRank
+    from rl_bridge.backends.policy_ranks import LocalPolicyRanks, RankedPolicy
     from rl_bridge.megatron.policy import GRPOPolicyLoss, PolicyConfig
 
     config = PolicyConfig(learning_rate=1e-3, micro_batch_size=1, distributed_optimizer=distributed_optimizer)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rl_bridge.loop.config import load_recipe
+from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.tasks import checkpoint_dir
 from tests.fixtures.training import TrainedRun, train_cli
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_bridge.loop.config import load_recipe
-from rl_bridge.loop.ray_roles import PLACEMENT_FILE
+from rl_bridge.recipe import load_recipe
+from rl_bridge.backends.ray_roles import PLACEMENT_FILE
 from rl_bridge.loop.sync import run_sync
 from rl_bridge.services.process import ManagedProcess, free_port
 

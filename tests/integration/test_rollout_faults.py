@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import requests
 
-from rl_bridge.loop.config import TaskSection
+from rl_bridge.recipe import TaskSection
 from rl_bridge.loop.tasks import task_rows
 from rl_bridge.paths import project_root
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts

@@ -1,4 +1,4 @@
-"""The placement planner (rl_bridge.loop.placement) and ``video-grpo plan``: layouts the GPU recipes
+"""The placement planner (rl_bridge.placement) and ``video-grpo plan``: layouts the GPU recipes
 promise, refusals before anything starts, CPU and colocated plans, the model shapes it reads."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rl_bridge.cli import main as cli_main
-from rl_bridge.loop.config import load_recipe
-from rl_bridge.loop.placement import GiB, Hardware, PlacementError, model_shape, plan_placement
+from rl_bridge.recipe import load_recipe
+from rl_bridge.placement import GiB, Hardware, PlacementError, model_shape, plan_placement
 from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit
@@ -332,8 +332,8 @@ def test_cli_plan_imports_neither_vllm_nor_megatron() -> None:
 
 
 def test_the_local_backend_pins_each_vllm_replica_and_policy_rank_to_its_planned_gpu() -> None:
-    from rl_bridge.loop.policy_ranks import rank_environment
-    from rl_bridge.loop.roles import replica_server
+    from rl_bridge.backends.policy_ranks import rank_environment
+    from rl_bridge.backends.roles import replica_server
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
     plan = plan_placement(load_recipe(RECIPES / "qwen2_5_vl_7b_gpu.yaml"), Hardware(1, 8, 80 * GiB))

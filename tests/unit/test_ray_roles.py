@@ -13,8 +13,8 @@ import pydantic
 import pytest
 import torch
 
-from rl_bridge.loop.config import load_recipe
-from rl_bridge.loop.policy_ranks import split_for_data_parallel
+from rl_bridge.recipe import load_recipe
+from rl_bridge.backends.policy_ranks import split_for_data_parallel
 from rl_bridge.megatron.batch import PolicySample
 
 pytestmark = pytest.mark.unit
@@ -72,7 +72,7 @@ def test_split_fills_empty_shares_with_zero_weight_copies() -> None:
 
 _OWNER = """
 import sys, time
-from rl_bridge.loop.ray_roles import guard_process_groups
+from rl_bridge.backends.ray_roles import guard_process_groups
 from rl_bridge.services.process import ManagedProcess
 server = ManagedProcess("sleeper", ["sleep", "300"], log_path=sys.argv[1])
 guard_process_groups([server.pid])

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from gym_video_env.environments import video_segment_question_rows
 from gym_video_env.synthetic.tasks import ClipConfig
-from rl_bridge.loop.config import load_recipe
+from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.tasks import action_choices, demonstration, hermes_tool_call
 from rl_bridge.loop.warm_start import (
     SupervisedLoss,

@@ -1,6 +1,6 @@
 """The asynchronous GRPO loop: a collector fills a replay buffer while the trainer trains.
 
-:func:`run_async` runs a ``mode: async`` :class:`~rl_bridge.loop.config.Recipe` on one host:
+:func:`run_async` runs a ``mode: async`` :class:`~rl_bridge.recipe.Recipe` on one host:
 
 - **Collector**: ``rollout.max_in_flight // rollout.group_size`` threads each claim a data
   position from the :class:`~rl_bridge.loop.replay.ReplayBuffer` (waiting while it is full),
@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from rl_bridge.console import attach_run_log, stdout_to_run_log
-from rl_bridge.loop.config import EXPORT_DIR, Recipe
+from rl_bridge.recipe import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
-from rl_bridge.loop.roles import start_roles
+from rl_bridge.backends.roles import start_roles
 from rl_bridge.loop.rundir import RunDirError, new_run_dir, resumable_run_dir
 from rl_bridge.loop.tasks import prepare_task
 from rl_bridge.rollout import ROLLOUT_OUTCOMES, RolloutResult

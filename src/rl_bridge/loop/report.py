@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rl_bridge.loop.config import Recipe
+from rl_bridge.recipe import Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, resident_mb, step_totals
 

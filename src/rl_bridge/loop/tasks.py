@@ -1,10 +1,10 @@
 """The training loop's task: its rows, the policy checkpoint, and the Gym servers that serve it.
 
-Two environments (:attr:`~rl_bridge.loop.config.TaskSection.environment`):
+Two environments (:attr:`~rl_bridge.recipe.TaskSection.environment`):
 
 - ``mcqa``: ``video_mcqa`` rows built from the synthetic video tasks, like
   :func:`gym_video_env.environments.video_mcqa_rows`, with the knobs that make a tiny random model
-  learnable from reward within minutes (see :class:`~rl_bridge.loop.config.TaskSection`): options
+  learnable from reward within minutes (see :class:`~rl_bridge.recipe.TaskSection`): options
   in a canonical order, the instruction of the chosen answer format, and optionally only the
   colour clips that show their colour in every frame. Optionally a fraction of the training rows
   carry bad media, which the run must mask and count;
@@ -42,7 +42,7 @@ from gym_video_env.environments import (
 )
 from gym_video_env.grading import BOXED_INSTRUCTION, LETTER_INSTRUCTION
 from gym_video_env.synthetic import ClipConfig, make_task_clip
-from rl_bridge.loop.config import ModelSection, Recipe, TaskSection
+from rl_bridge.recipe import ModelSection, Recipe, TaskSection
 
 if TYPE_CHECKING:
     from rl_bridge.services.gym_server import GymServerSpec
@@ -467,7 +467,7 @@ def prepare_task(recipe: Recipe) -> TaskData:
     """Get the checkpoint and write the task's clips under ``<run_dir>/media``.
 
     Deterministic in the recipe's seeds: a resumed run calls it again and gets the same rows.
-    The loops check the hardware (:meth:`~rl_bridge.loop.config.Recipe.require_hardware`) first.
+    The loops check the hardware (:meth:`~rl_bridge.recipe.Recipe.require_hardware`) first.
     """
     media_root = recipe.run_dir.resolve() / "media"
     model_dir = checkpoint_dir(recipe.model)

@@ -2,13 +2,13 @@
 
 The controller (:mod:`rl_bridge.loop.controller`) talks to the roles only through :class:`Roles`:
 URLs for the rollout side and a :class:`PolicyHandle` for the trainer. How many of each role run,
-and on which devices, is the run's plan (:func:`rl_bridge.loop.placement.plan_placement`), for
+and on which devices, is the run's plan (:func:`rl_bridge.placement.plan_placement`), for
 either backend. :func:`start_local_roles` starts the plan on this host: each vLLM replica as a
 subprocess pinned to its GPUs (``CUDA_VISIBLE_DEVICES``), the Gym servers as subprocesses with one
 model server over every replica (Gym's ``base_url`` list: each session sticks to one replica), and
 the policy in this process when it has one rank, else one process per rank
-(:class:`rl_bridge.loop.policy_ranks.LocalPolicyRanks`, gloo on CPU). The Ray backend
-(:mod:`rl_bridge.loop.ray_roles`) provides the same :class:`Roles` with actors.
+(:class:`rl_bridge.backends.policy_ranks.LocalPolicyRanks`, gloo on CPU). The Ray backend
+(:mod:`rl_bridge.backends.ray_roles`) provides the same :class:`Roles` with actors.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rl_bridge.grpo import needs_reference
-from rl_bridge.loop.config import Recipe
+from rl_bridge.recipe import Recipe
 from rl_bridge.loop.tasks import TaskData
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.placement import Plan, VLLMReplica
+    from rl_bridge.placement import Plan, VLLMReplica
     from rl_bridge.processors import MediaProcessor
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
@@ -188,10 +188,10 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     starts once vLLM is up, so that vLLM's memory profiling sees only its own allocations.
 
     Raises:
-        rl_bridge.loop.placement.PlacementError: the plan does not fit this host.
+        rl_bridge.placement.PlacementError: the plan does not fit this host.
         rl_bridge.services.process.ServiceError: a server did not start.
     """
-    from rl_bridge.loop.placement import Hardware, plan_placement
+    from rl_bridge.placement import Hardware, plan_placement
     from rl_bridge.paths import gym_servers_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.services.vllm_server import start_vllm_server
@@ -267,7 +267,7 @@ def _start_local_policy(
 ) -> tuple[PolicyHandle, PolicyHandle | None]:
     """The policy (and the reference) of ``plan``: in this process for one rank, else one child
     process per rank."""
-    from rl_bridge.loop.policy_ranks import LocalPolicyRanks, PolicyWorker, RankedPolicy
+    from rl_bridge.backends.policy_ranks import LocalPolicyRanks, PolicyWorker, RankedPolicy
     from rl_bridge.megatron.cpu_support import cpu_execution
     from rl_bridge.megatron.distributed import RankEnvironment
 
@@ -308,7 +308,7 @@ def _start_local_policy(
 def start_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     """Start the roles where ``recipe.cluster`` places them; ``stack`` stops them."""
     if recipe.cluster.backend == "ray":
-        from rl_bridge.loop.ray_roles import start_ray_roles
+        from rl_bridge.backends.ray_roles import start_ray_roles
 
         return start_ray_roles(recipe, data, stack)
     return start_local_roles(recipe, data, stack)

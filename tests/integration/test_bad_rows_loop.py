@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from rl_bridge.recipe import load_recipe
-from rl_bridge.loop.controller import MASKED_ROWS_FILE
+from rl_bridge.loop.stages.rollout import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
 from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task
 from rl_bridge.paths import project_root

@@ -246,7 +246,7 @@ def test_in_memory_refit_refuses_a_tensor_vllm_does_not_hold_naming_it(
 def test_after_a_restart_the_sender_reconnects_and_the_weights_go_across_again(
     server: VLLMServer, exports: dict[str, Path], sample_video: Path
 ) -> None:
-    """What the loop does when its supervisor restarts vLLM (``Controller._reload_served_weights``):
+    """What the loop does when its supervisor restarts vLLM (``Refitter.reload_served_weights``):
     the old group's peer is gone, the sender joins the new server's engine and sends again. Runs
     last here: the restarted server serves the checkpoint (seed 0) again, as before the module."""
     from safetensors.torch import load_file

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rl_bridge.recipe import load_recipe
-from rl_bridge.loop.controller import sync_row_order
+from rl_bridge.loop.collect import sync_row_order
 from rl_bridge.loop.replay import DataOrder
 from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task, with_bad_media
 

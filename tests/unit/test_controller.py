@@ -1,11 +1,10 @@
-"""The step logic of the loop's Controller with its services stubbed: PPO mini-batches and epochs,
+"""The stages of a GRPO step with their services stubbed: PPO mini-batches and epochs,
 the skipped ``pi_old`` pass, mismatch masking before the step, DAPO's dynamic sampling, and which
 refit each step and restart does."""
 
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import random
 import threading
@@ -14,13 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from rl_bridge.grpo import GRPOLossConfig
-from rl_bridge.recipe import load_recipe
-from rl_bridge.loop.controller import Controller, StepBatch
 from rl_bridge.backends.roles import Roles
+from rl_bridge.grpo import GRPOLossConfig
+from rl_bridge.loop.collect import SyncCollector
+from rl_bridge.loop.stages.preprocess import StepBatch
+from rl_bridge.loop.stages.refit import Refitter
+from rl_bridge.loop.stages.rollout import verifier_metrics
+from rl_bridge.loop.stages.train import TrainStage
+from rl_bridge.loop.step import Stages
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy import GRPOPolicyLoss, TrainStepMetrics
-from rl_bridge.rollout import RolloutResult
+from rl_bridge.recipe import load_recipe
+from rl_bridge.rollout import RolloutResult, RolloutStats
 
 pytestmark = pytest.mark.unit
 
@@ -58,15 +62,29 @@ class _Policy:
         )
 
 
-def _controller(*overrides: str) -> tuple[Controller, _Policy]:
-    controller = object.__new__(Controller)
-    controller.recipe = load_recipe(None, list(overrides))
+def _with_policy(stages: Stages, policy: Any, urls: tuple[str, ...] = ("http://unused",)) -> Stages:
+    """``stages`` over ``policy`` (and servers at ``urls``), the refit's clients and state kept."""
+    stages.roles = Roles(vllm_base_urls=urls, agent_url="http://unused", policy=policy, reference=None)
+    stages.train = TrainStage(stages.recipe, policy, GRPOPolicyLoss(stages.recipe.train.loss))
+    stages.train._minibatch_rng = random.Random(0)
+    stages.refit.roles = stages.roles
+    return stages
+
+
+def _controller(*overrides: str) -> tuple[Stages, _Policy]:
+    recipe = load_recipe(None, list(overrides))
     policy = _Policy()
-    controller.roles = Roles(vllm_base_urls=("http://unused",), agent_url="http://unused", policy=policy, reference=None)
-    controller.loss = GRPOPolicyLoss(controller.recipe.train.loss)
-    controller._minibatch_rng = random.Random(0)
-    controller.weights_lock = threading.RLock()
-    return controller, policy
+    roles = Roles(vllm_base_urls=("http://unused",), agent_url="http://unused", policy=policy, reference=None)
+    stages = Stages(
+        recipe=recipe,
+        data=type("Data", (), {"train_rows": [{}]})(),
+        roles=roles,
+        rollout=None,  # type: ignore[arg-type]
+        preprocess=None,  # type: ignore[arg-type]
+        train=None,  # type: ignore[arg-type]
+        refit=Refitter(recipe, roles),
+    )
+    return _with_policy(stages, policy), policy
 
 
 def _sample(index: int, *, mismatch: float = 0.0) -> PolicySample:
@@ -143,19 +161,20 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills_the_step() -> 
     )
     current: list[list[float]] = []
 
-    def rollout(prompts: Any) -> tuple[list[RolloutResult], dict[str, float]]:
+    def rollout(prompts: Any) -> tuple[list[RolloutResult], RolloutStats]:
         current[:] = next(rounds)
-        return _results(current), {"rollout/rows": 6.0}
+        return _results(current), RolloutStats(rows=6)
 
     def preprocess(results: Any) -> tuple[StepBatch, dict[str, float]]:
         groups = [[_sample(10 * len(current) + g)] for g in range(len(current))]
         return StepBatch(groups=groups, zero_signal=[len(set(g)) == 1 for g in current]), {"preprocess/samples": 3.0}
 
-    controller.next_prompts = lambda: []  # type: ignore[method-assign]
-    controller.rollout = rollout  # type: ignore[method-assign]
-    controller.preprocess = preprocess  # type: ignore[method-assign]
+    controller.rollout = type("Rollout", (), {"groups": staticmethod(rollout)})()
+    controller.preprocess = preprocess  # type: ignore[assignment]
+    collect = SyncCollector(controller)
+    collect.next_prompts = lambda: []  # type: ignore[method-assign]
     timings: dict[str, float] = {}
-    batch, metrics = controller.collect(timings)
+    batch, metrics = collect(timings)
     assert len(batch.groups) == 3 and not any(batch.zero_signal)
     assert metrics["dynamic/rounds"] == 3.0
     assert metrics["dynamic/groups_dropped"] == 4.0 and metrics["dynamic/groups_kept"] == 3.0
@@ -166,13 +185,15 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills_the_step() -> 
 
 def test_without_dynamic_sampling_one_round_keeps_every_group() -> None:
     controller, _ = _controller("rollout.prompts_per_step=2", "rollout.group_size=2")
-    controller.next_prompts = lambda: []  # type: ignore[method-assign]
-    controller.rollout = lambda prompts: (_results([[1.0, 1.0], [0.0, 1.0]]), {})  # type: ignore[method-assign]
-    controller.preprocess = lambda results: (  # type: ignore[method-assign]
+    rollout = staticmethod(lambda prompts: (_results([[1.0, 1.0], [0.0, 1.0]]), RolloutStats(rows=4)))
+    controller.rollout = type("Rollout", (), {"groups": rollout})()
+    controller.preprocess = lambda results: (  # type: ignore[assignment]
         StepBatch(groups=[[_sample(0)], [_sample(1)]], zero_signal=[True, False]),
         {},
     )
-    batch, metrics = controller.collect({})
+    collect = SyncCollector(controller)
+    collect.next_prompts = lambda: []  # type: ignore[method-assign]
+    batch, metrics = collect({})
     assert batch.zero_signal == [True, False] and "dynamic/rounds" not in metrics
 
 
@@ -190,8 +211,6 @@ def test_recipe_fields_of_the_objective_are_checked() -> None:
 
 
 def test_verifier_metrics_count_correct_answers_and_calls_to_the_named_segment() -> None:
-    from rl_bridge.loop.controller import verifier_metrics
-
     def scored(index: int, **fields: Any) -> RolloutResult:
         return RolloutResult(index, "ok", 1, result={"reward": 0.0, **fields})
 
@@ -212,8 +231,6 @@ def test_verifier_metrics_count_correct_answers_and_calls_to_the_named_segment()
 
 
 def test_first_call_entropy_tells_a_spread_choice_from_a_collapsed_one() -> None:
-    from rl_bridge.loop.controller import verifier_metrics
-
     def called(*watched: int) -> RolloutResult:
         fields = {"correct": False, "tool_calls": len(watched), "named_segment_calls": 0}
         return RolloutResult(0, "ok", 1, result={"reward": 0.0, "segments": ["a", "b", "c"], "watched_segments": list(watched), **fields})
@@ -272,15 +289,13 @@ class _Server:
     base_url: str = "http://unused"
 
 
-def _refitting(*overrides: str, urls: tuple[str, ...] = ("http://unused",)) -> tuple[Controller, _SendingPolicy, _RefitClient]:
+def _refitting(*overrides: str, urls: tuple[str, ...] = ("http://unused",)) -> tuple[Stages, _SendingPolicy, _RefitClient]:
     controller, _ = _controller("refit.bucket_mb=1", *overrides)
     policy = _SendingPolicy()
-    controller.roles = Roles(vllm_base_urls=urls, agent_url="http://unused", policy=policy, reference=None)
+    _with_policy(controller, policy, urls)
     client = _RefitClient()
-    controller.refit_clients = [client] * len(urls)  # type: ignore[list-item]
-    controller._served = None
-    controller._connected = set()
-    controller._transfer_backend = "video_grpo_gloo"
+    controller.refit.clients = [client] * len(urls)  # type: ignore[list-item]
+    controller.refit._transfer_backend = "video_grpo_gloo"
     return controller, policy, client
 
 
@@ -296,10 +311,10 @@ def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_train
 
 def test_after_a_restart_the_policy_reconnects_and_sends_the_served_version_again() -> None:
     controller, policy, client = _refitting()
-    controller._reload_served_weights(_Server())  # nothing refitted yet: the server serves the checkpoint
+    controller.refit.reload_served_weights(_Server())  # nothing refitted yet: the server serves the checkpoint
     assert client.calls == [] and policy.sync == []
     controller.refit(1)
-    controller._reload_served_weights(_Server())
+    controller.refit.reload_served_weights(_Server())
     assert policy.sync == [f"connect video_grpo_gloo {1024**2}", "send", f"connect video_grpo_gloo {1024**2}", "send"]
     assert client.calls == [("refit_with", "step-1"), ("refit_with", "step-1")]
 
@@ -308,8 +323,8 @@ def test_a_restart_waits_for_the_step_holding_the_weights() -> None:
     controller, policy, client = _refitting()
     controller.refit(1)
     reloaded = threading.Event()
-    with controller.weights_lock:
-        worker = threading.Thread(target=lambda: (controller._reload_served_weights(_Server()), reloaded.set()))
+    with controller.refit.lock:
+        worker = threading.Thread(target=lambda: (controller.refit.reload_served_weights(_Server()), reloaded.set()))
         worker.start()
         assert not reloaded.wait(0.3)  # blocked while the trainer holds the weights
     worker.join(timeout=10)
@@ -318,14 +333,14 @@ def test_a_restart_waits_for_the_step_holding_the_weights() -> None:
 
 def test_from_disk_a_refit_exports_and_reloads_and_a_restart_reloads_the_same_directory(tmp_path: Any) -> None:
     controller, policy, client = _refitting("refit.transport=disk")
-    controller.weights_dir = tmp_path / "weights"
+    controller.refit.weights_dir = tmp_path / "weights"
     exported: list[Any] = []
     policy.save_hf_checkpoint = lambda target: (target.mkdir(parents=True), exported.append(target))  # type: ignore[attr-defined]
     controller.refit(1)
     controller.refit(2)
-    controller._reload_served_weights(_Server())
+    controller.refit.reload_served_weights(_Server())
     assert [p.name for p in exported] == ["step-1", "step-2"]
-    assert [p.name for p in controller.weights_dir.iterdir()] == ["step-2"]  # the older one removed
+    assert [p.name for p in controller.refit.weights_dir.iterdir()] == ["step-2"]  # the older one removed
     assert client.calls == [("refit", "step-1"), ("refit", "step-2"), ("refit", "step-2")]
     assert policy.sync == []
 
@@ -334,7 +349,7 @@ def test_with_two_servers_a_refit_sends_to_each_and_a_restart_resends_to_the_res
     controller, policy, client = _refitting(urls=("http://a", "http://b"))
     figures = controller.refit(1)
     assert figures["refit/bytes"] == 128.0  # summed over the servers
-    controller._reload_served_weights(_Server("http://b"))
+    controller.refit.reload_served_weights(_Server("http://b"))
     connect = f"connect video_grpo_gloo {1024**2}"
     assert policy.sync == [connect, "send http://a", connect, "send http://b", connect, "send http://b"]
     assert client.calls == [("refit_with", "step-1")] * 3
@@ -364,9 +379,9 @@ class _OrderedPolicy(_SendingPolicy):
 def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sleeps(placement: str) -> None:
     controller, _, client = _refitting(f"model.placement={placement}", "train.minibatches=2")
     policy = _OrderedPolicy(client.calls)
-    controller.roles = dataclasses.replace(controller.roles, policy=policy)
+    _with_policy(controller, policy)
     timings: dict[str, float] = {}
-    with controller.sleeping_generation(timings):
+    with controller.refit.generation_asleep(timings):
         controller.train(controller.logprobs([_sample(i) for i in range(4)]))
     controller.refit(1)
     steps = [name for name, _ in client.calls]

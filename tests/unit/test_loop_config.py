@@ -114,7 +114,7 @@ def test_async_settings_are_validated() -> None:
 
 
 def test_a_checkpoint_written_before_a_field_was_added_still_resumes() -> None:
-    from rl_bridge.loop.async_grpo import _check_resumable
+    from rl_bridge.loop.checkpoints import _check_resumable
 
     recipe = load_recipe(None)
     saved = json.loads(recipe.model_dump_json(by_alias=True))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from rl_bridge.loop.replay import DataOrder, ReplayBuffer, read_groups, write_groups
-from rl_bridge.rollout import RolloutResult
+from rl_bridge.rollout import RolloutResult, RolloutStats
 
 pytestmark = pytest.mark.unit
 
@@ -184,3 +185,32 @@ def test_data_order_caches_a_pass_and_gives_the_same_rows_as_before() -> None:
     assert shuffles == 3
     assert rows == [_row_id_rebuilt(50, 1, p) for p in range(150)]
     assert fresh == DataOrder(50, 1, 3) and "_last_pass" not in repr(fresh)
+
+
+def test_a_groups_rollout_counts_survive_the_checkpoint(tmp_path: Path) -> None:
+    buffer = ReplayBuffer(DataOrder(2, seed=0, epochs=1), capacity=4, max_age=1)
+    claim = buffer.claim(0)
+    assert claim is not None
+    stats = RolloutStats(rows=3, outcomes=Counter(ok=2, content_failed=1), retries=1, wall_s=2.5, started_at=7.0)
+    buffer.put(claim, _results(), stats)
+    _, groups = buffer.snapshot()
+    write_groups(tmp_path / "buffer.jsonl", groups)
+    (loaded,) = read_groups(tmp_path / "buffer.jsonl")
+    assert loaded.stats == stats and loaded.stats.outcomes["content_failed"] == 1
+    assert loaded.stats.outcomes["ok"] == 2
+
+
+def test_staleness_reports_the_age_of_a_steps_groups_and_the_buffer() -> None:
+    buffer = ReplayBuffer(DataOrder(8, seed=0, epochs=1), capacity=8, max_age=3)
+    _fill(buffer, 1, version=0)
+    _fill(buffer, 2, version=2)
+    groups, evicted = buffer.sample(3, weight_version=2)
+    metrics = buffer.staleness(groups, 2, evicted)
+    assert metrics == {
+        "async/groups": 3.0,
+        "async/age_mean": pytest.approx(2 / 3),
+        "async/age_max": 2.0,
+        "async/evicted": 0.0,
+        "async/evicted_total": 0.0,
+        "async/buffered": 0.0,
+    }

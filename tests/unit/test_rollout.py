@@ -350,3 +350,18 @@ def test_restart_policy_is_validated() -> None:
         RestartPolicy(probe_attempts=0)
     with pytest.raises(ValueError, match="crash_budget=0"):
         RestartPolicy(crash_budget=0)
+
+
+def test_counts_of_calls_made_one_after_another_add_up_and_overlapping_ones_span() -> None:
+    from rl_bridge.rollout import RolloutStats
+
+    first = RolloutStats(rows=4, outcomes=Counter(ok=3, infra_failed=1), retries=2, server_restarts=1,
+                         wall_s=10.0, started_at=100.0)  # fmt: skip
+    second = RolloutStats(rows=4, outcomes=Counter(ok=4), redispatches=1, server_restarts=1, wall_s=6.0, started_at=104.0)
+    after = RolloutStats.combined([first, second])
+    assert after.rows == 8 and after.outcomes == Counter(ok=7, infra_failed=1)
+    assert (after.retries, after.redispatches, after.server_restarts, after.wall_s) == (2, 1, 2, 16.0)
+    overlapping = RolloutStats.combined([first, second], concurrent=True)
+    # One restart seen by both calls; the seconds from the first start (100) to the last end (110).
+    assert overlapping.server_restarts == 1 and overlapping.wall_s == 10.0 and overlapping.started_at == 100.0
+    assert overlapping.as_dict()["rollout/rows"] == 8.0

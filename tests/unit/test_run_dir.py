@@ -98,8 +98,6 @@ def test_make_train_repeats_on_the_same_run_directory(
 ) -> None:
     """``make train`` twice: the second replaces the first (the README says so), through the CLI and
     the real run_sync up to the point where the run starts its work."""
-    from rl_bridge.loop import sync
-
     arguments = _make_train_arguments()
     assert arguments[:2] == ["train", "--overwrite"]
     monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", cli.OPENMP_WAIT_POLICY))
@@ -110,7 +108,7 @@ def test_make_train_repeats_on_the_same_run_directory(
         seen.append(sorted(p.name for p in recipe.run_dir.iterdir()))
         raise _Started
 
-    monkeypatch.setattr(sync, "prepare_task", started)
+    monkeypatch.setattr("rl_bridge.loop.tasks.prepare_task", started)
     run_dir = _earlier_run(tmp_path / "run")
     for _ in range(2):
         with pytest.raises(_Started):

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 #: The timed stages of a step, in order (``time/<stage>_s`` metrics). A colocated GPU run also
-#: times ``sleep``, ``release`` and ``wake`` (:meth:`.controller.Controller.sleeping_generation`).
+#: times ``sleep``, ``release`` and ``wake`` (:meth:`.stages.refit.Refitter.generation_asleep`).
 STAGES = ("rollout", "preprocess", "logprobs", "sleep", "train", "release", "wake", "refit", "validation")
 
 

@@ -24,13 +24,13 @@ import dataclasses
 import json
 import random
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_bridge.rollout import RolloutResult
+from rl_bridge.rollout import RolloutResult, RolloutStats
 
 __all__ = ["Claim", "DataOrder", "Group", "ReplayBuffer", "read_groups", "write_groups"]
 
@@ -108,6 +108,9 @@ class Group:
     """Weight version at dispatch; with in-flight refits later tokens may come from newer weights
     (vLLM's logprobs of the sampled tokens, used for the IS correction, are always the true ones)."""
     results: tuple[RolloutResult, ...]
+    stats: RolloutStats | None = None
+    """The counts of the call that generated the group (``None``: it was buffered by a run that
+    did not keep them)."""
 
     def age(self, version: int) -> int:
         """Weight versions between this group's dispatch and ``version``."""
@@ -119,6 +122,7 @@ class Group:
             "row_id": self.row_id,
             "weight_version": self.weight_version,
             "results": [dataclasses.asdict(r) for r in self.results],
+            "stats": _stats_to_json(self.stats),
         }
 
     @classmethod
@@ -128,7 +132,21 @@ class Group:
             row_id=int(data["row_id"]),
             weight_version=int(data["weight_version"]),
             results=tuple(RolloutResult(**r) for r in data["results"]),
+            stats=_stats_from_json(data.get("stats")),
         )
+
+
+def _stats_to_json(stats: RolloutStats | None) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    # not dataclasses.asdict: it rebuilds the outcomes Counter from its (name, count) pairs
+    return {**vars(stats), "outcomes": dict(stats.outcomes)}
+
+
+def _stats_from_json(data: dict[str, Any] | None) -> RolloutStats | None:
+    if data is None:
+        return None
+    return RolloutStats(**{**data, "outcomes": Counter(data["outcomes"])})
 
 
 def write_groups(path: Path, groups: Iterable[Group]) -> None:
@@ -202,15 +220,17 @@ class ReplayBuffer:
             ledger.claimed.add(position)
             return Claim(position, self.order.row_id(position), weight_version)
 
-    def put(self, claim: Claim, results: Sequence[RolloutResult]) -> None:
-        """Buffer the complete group of ``claim``.
+    def put(self, claim: Claim, results: Sequence[RolloutResult], stats: RolloutStats | None = None) -> None:
+        """Buffer the complete group of ``claim`` (``stats``: the counts of the call that generated it).
 
         Raises:
             ValueError: ``claim`` is not outstanding (never claimed, or already put or released).
         """
         with self._cond:
             self._settle(claim)
-            self._groups.append(Group(claim.position, claim.row_id, claim.weight_version, tuple(results)))
+            self._groups.append(
+                Group(claim.position, claim.row_id, claim.weight_version, tuple(results), stats)
+            )
             self._cond.notify_all()
 
     def release(self, claim: Claim) -> None:
@@ -274,6 +294,20 @@ class ReplayBuffer:
         will come and none is buffered."""
         with self._cond:
             return not self._has_data() and self._occupied() == 0
+
+    def staleness(self, groups: Sequence[Group], trained_at: int, evicted: int) -> dict[str, float]:
+        """The ``async/*`` metrics of a step that trained on ``groups`` with the weights of version
+        ``trained_at``, after :meth:`sample` evicted ``evicted`` groups: the groups' count and age
+        (mean and max, in versions), evictions (this step's and the run's) and the groups buffered."""
+        ages = [group.age(trained_at) for group in groups]
+        return {
+            "async/groups": float(len(groups)),
+            "async/age_mean": sum(ages) / len(ages),
+            "async/age_max": float(max(ages)),
+            "async/evicted": float(evicted),
+            "async/evicted_total": float(self.evicted),
+            "async/buffered": float(len(self)),
+        }
 
     def snapshot(self) -> tuple[dict[str, Any], list[Group]]:
         """The state to checkpoint: a JSON-able ledger (next position, positions to generate

@@ -12,15 +12,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from rl_bridge.recipe import Recipe
-from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, resident_mb, step_totals
+from rl_bridge.loop.timing import timed
+from rl_bridge.recipe import Recipe
 
 __all__ = ["RunReport", "announce_run"]
 
@@ -54,7 +54,7 @@ class RunReport:
     def __init__(
         self,
         recipe: Recipe,
-        controller: Controller,
+        validate: Callable[[], dict[str, float]],
         metrics: RunMetrics,
         *,
         desc: str,
@@ -63,12 +63,13 @@ class RunReport:
     ) -> None:
         """
         Args:
+            validate: the held-out metrics (``val/accuracy`` among them) of the weights vLLM serves.
             desc: the progress bar's label.
             started: ``time.monotonic()`` when the run started (for ``wall_s``).
             initial_step: steps already done (a resumed run).
         """
         self.recipe = recipe
-        self.controller = controller
+        self._validate = validate
         self.metrics = metrics
         self.started = started
         self.history_val: list[tuple[int, float]] = [
@@ -85,7 +86,7 @@ class RunReport:
         """Greedy held-out accuracy after ``step`` steps, logged at that step."""
         timings: dict[str, float] = {}
         with timed("validation", timings):
-            scalars = self.controller.validate()
+            scalars = self._validate()
         self.metrics.log(step, {**scalars, **timings})
         self.history_val.append((step, scalars["val/accuracy"]))
         self.accuracy = scalars["val/accuracy"]

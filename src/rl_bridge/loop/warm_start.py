@@ -22,6 +22,7 @@ clip, the answer, whether to call again) are left to GRPO.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,13 @@ from rl_bridge.megatron.batch import MicroBatch, PolicySample
 from rl_bridge.megatron.policy import StepCounts
 from rl_bridge.structured_outputs import GrammarMasks
 
-__all__ = ["SupervisedLoss", "demonstration_samples", "first_turn_messages", "warm_start_batches"]
+__all__ = [
+    "SupervisedLoss",
+    "demonstration_samples",
+    "first_turn_messages",
+    "warm_start",
+    "warm_start_batches",
+]
 
 
 class SupervisedLoss:
@@ -76,7 +83,10 @@ def first_turn_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], l
             text = "".join(part["text"] for part in content)
         messages.append({"role": item["role"], "content": text})
     tools = [
-        {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+        {
+            "type": "function",
+            "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool},
+        }
         for tool in params.get("tools", ())
     ]
     return messages, tools
@@ -128,3 +138,51 @@ def warm_start_batches(
             batch.append(rows[order.pop()])
         batches.append(batch)
     return batches
+
+
+def warm_start(stages: Any) -> dict[str, float]:
+    """``warm_start.steps`` supervised steps on the task's first-turn demonstrations, then a refit
+    so that vLLM serves the result as ``step-0``. Metrics: ``warm_start/steps``, the first and last
+    steps' loss and mean target probability (``warm_start/loss_first``, ``.../loss_last``,
+    ``.../target_prob_first``, ``.../target_prob_last``), the held-out validation before it
+    (``warm_start/before/val/*``; the run's step-0 validation is after it) and
+    ``warm_start/time_s``.
+
+    Args:
+        stages: the run's :class:`~rl_bridge.loop.step.Stages`.
+    """
+    from transformers import AutoTokenizer
+
+    from rl_bridge.loop.tasks import demonstration
+
+    recipe = stages.recipe
+    tokenizer = AutoTokenizer.from_pretrained(stages.data.model_dir)
+    grammars = stages.preprocess.inputs.grammars
+    grammar = grammars[0] if grammars else None  # the first turn's
+    config = recipe.warm_start
+    started = time.monotonic()
+    loss = SupervisedLoss()
+    batches = warm_start_batches(
+        stages.data.train_rows, steps=config.steps, per_step=config.prompts_per_step, seed=recipe.seed + 2
+    )
+    before = {f"warm_start/before/{name}": value for name, value in stages.validate().items()}
+    records = []
+    timings: dict[str, float] = {}
+    with stages.refit.lock:
+        with stages.refit.generation_asleep(timings):
+            for rows in batches:
+                actions = [demonstration(recipe.task, row) for row in rows]
+                samples = demonstration_samples(tokenizer, rows, actions, grammar)
+                step = stages.roles.policy.train_step(samples, loss)
+                records.append((step.loss, step.loss_metrics.get("target_prob", float("nan"))))
+        stages.refit(0)
+    (first_loss, first_prob), (last_loss, last_prob) = records[0], records[-1]
+    return {
+        **before,
+        "warm_start/steps": float(len(records)),
+        "warm_start/loss_first": first_loss,
+        "warm_start/loss_last": last_loss,
+        "warm_start/target_prob_first": first_prob,
+        "warm_start/target_prob_last": last_prob,
+        "warm_start/time_s": time.monotonic() - started,
+    }

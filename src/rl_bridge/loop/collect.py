@@ -1,0 +1,133 @@
+"""Collection: a step's rollouts and their policy samples, as each loop gathers them.
+
+The sync loop rolls out ``rollout.prompts_per_step`` prompts now (:class:`SyncCollector`, with
+DAPO's dynamic sampling when asked); the async loop takes complete groups the collector threads
+generated earlier (:func:`preprocess_groups`). Both report the same rollout and preprocessing
+metrics (:func:`collected_metrics`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from rl_bridge.loop.replay import Group
+from rl_bridge.loop.stages.preprocess import StepBatch
+from rl_bridge.loop.stages.rollout import rollout_metrics
+from rl_bridge.loop.step import Stages
+from rl_bridge.loop.timing import timed
+from rl_bridge.rollout import RolloutResult, RolloutStats
+
+__all__ = ["SyncCollector", "collected_metrics", "preprocess_groups", "sync_row_order"]
+
+_PER_SAMPLE = (
+    "preprocess/media/videos_per_sample",
+    "preprocess/tool_calls_per_sample",
+    "preprocess/turns_per_sample",
+    "preprocess/trained_turns_per_sample",
+    "preprocess/sequences_per_sample",
+    "preprocess/groups/zero_signal_frac",
+)
+"""Preprocessing metrics that are means: averaged over dynamic sampling's rounds, not summed."""
+
+
+def sync_row_order(num_rows: int, seed: int) -> Iterator[int]:
+    """The sync loop's data order: training row indices, pass after pass without end, each pass a
+    fresh shuffle by one ``random.Random(seed)``, taken from the end of the shuffled list.
+
+    (The async loop's order is :class:`rl_bridge.loop.replay.DataOrder`.)
+    """
+    rng = random.Random(seed)
+    while True:
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        while order:
+            yield order.pop()
+
+
+def collected_metrics(
+    results: Sequence[RolloutResult], stats: RolloutStats, preprocess: Mapping[str, float]
+) -> dict[str, float]:
+    """A step's rollout metrics (:func:`~rl_bridge.loop.stages.rollout.rollout_metrics`), its
+    preprocessing metrics and ``rollout/generated_tokens_per_s``: the tokens the policy generated
+    in its trained turns (vLLM's own ids) per second of rollout (``rollout/wall_s``)."""
+    tokens_per_s = preprocess.get("preprocess/generated_tokens", 0.0) / max(stats.wall_s, 1e-9)
+    return {**rollout_metrics(results, stats), **preprocess, "rollout/generated_tokens_per_s": tokens_per_s}
+
+
+def preprocess_groups(stages: Stages, groups: Sequence[Group]) -> tuple[StepBatch, dict[str, float]]:
+    """The async loop's collection: the buffered groups' samples and the step's metrics (the
+    groups were generated concurrently: see :meth:`RolloutStats.combined`)."""
+    results = [result for group in groups for result in group.results]
+    calls = [
+        group.stats
+        or RolloutStats(rows=len(group.results), outcomes=Counter(r.outcome for r in group.results))
+        for group in groups
+    ]
+    batch, preprocess = stages.preprocess(results)
+    return batch, collected_metrics(results, RolloutStats.combined(calls, concurrent=True), preprocess)
+
+
+class SyncCollector:
+    """The sync loop's collection: roll out and preprocess the next prompts (see :meth:`__call__`)."""
+
+    def __init__(self, stages: Stages) -> None:
+        self.stages = stages
+        self._rows = sync_row_order(len(stages.data.train_rows), stages.recipe.seed)
+
+    def next_prompts(self) -> list[dict[str, Any]]:
+        """The next ``prompts_per_step`` training rows; each pass over the rows is reshuffled."""
+        rows = self.stages.data.train_rows
+        return [rows[next(self._rows)] for _ in range(self.stages.recipe.rollout.prompts_per_step)]
+
+    def __call__(self, timings: dict[str, float]) -> tuple[StepBatch, dict[str, float]]:
+        """Roll out and preprocess one step's prompts, timing both stages in ``timings``.
+
+        With ``train.dynamic_sampling`` (DAPO's dynamic sampling), groups without signal are
+        dropped and further rounds of ``prompts_per_step`` prompts are rolled out until the step
+        holds ``prompts_per_step`` groups with signal or ``dynamic_sampling_max_rounds`` rounds
+        were made; surplus groups of the last round are not used. Rollout metrics are over every
+        round's rollouts, preprocessing counts summed over the rounds (means averaged);
+        ``dynamic/rounds``, ``dynamic/groups_dropped`` and ``dynamic/groups_kept`` say what
+        happened.
+        """
+        train = self.stages.recipe.train
+        wanted = self.stages.recipe.rollout.prompts_per_step
+        batch = StepBatch()
+        results: list[RolloutResult] = []
+        calls: list[RolloutStats] = []
+        preprocess: dict[str, float] = {}
+        dropped = rounds = 0
+        while True:
+            rounds += 1
+            with timed("rollout", timings, add=True):
+                round_results, stats = self.stages.rollout.groups(self.next_prompts())
+            with timed("preprocess", timings, add=True):
+                round_batch, round_metrics = self.stages.preprocess(round_results)
+            results += round_results
+            calls.append(stats)
+            for name, value in round_metrics.items():
+                preprocess[name] = preprocess.get(name, 0.0) + value
+            if not train.dynamic_sampling:
+                batch = round_batch
+                break
+            for group, zero in zip(round_batch.groups, round_batch.zero_signal, strict=True):
+                if zero or not group:
+                    dropped += 1
+                elif len(batch.groups) < wanted:
+                    batch.extend(StepBatch(groups=[group], zero_signal=[False]))
+            if len(batch.groups) >= wanted or rounds >= train.dynamic_sampling_max_rounds:
+                break
+        for name in _PER_SAMPLE:
+            if name in preprocess:
+                preprocess[name] /= rounds
+        metrics = collected_metrics(results, RolloutStats.combined(calls), preprocess)
+        if train.dynamic_sampling:
+            metrics |= {
+                "dynamic/rounds": float(rounds),
+                "dynamic/groups_dropped": float(dropped),
+                "dynamic/groups_kept": float(len(batch.groups)),
+            }
+        return batch, metrics

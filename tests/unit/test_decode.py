@@ -16,13 +16,28 @@ import pytest
 
 from gym_video_env.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
 from vllm_video_plugin.contract import VideoSamplingContract
-from vllm_video_plugin.decode import DecodeLimits, decode_frames, probe_video, source_label
+from vllm_video_plugin.decode import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    VideoSource,
+    VideoSourceInfo,
+    decode_frames,
+    source_label,
+)
 from vllm_video_plugin.decode import frames as frames_module
+from vllm_video_plugin.decode.probe import DemuxedVideo
 from vllm_video_plugin.errors import VideoDecodeError, VideoGRPOError
 
 pytestmark = pytest.mark.unit
 
 WIDTH, HEIGHT = 96, 64
+
+
+def probe_video(source: VideoSource) -> VideoSourceInfo:
+    """A video's stream metadata and frame count from the demux pass alone (nothing decoded)."""
+    video = DemuxedVideo(source, DEFAULT_LIMITS, threads=1)
+    video.close()
+    return video.info
 
 
 def barcodes(data: np.ndarray) -> list[int]:

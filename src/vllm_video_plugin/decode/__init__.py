@@ -31,12 +31,12 @@ Threading: one decoding thread by default, the fastest on small machines (timing
 turns on frame threading.
 
 The package: :mod:`.limits` (input types and :class:`DecodeLimits`), :mod:`.probe` (opening a
-video and the demux pass, :func:`probe_video`), :mod:`.frames` (decoding, :func:`decode_frames`).
+video and the demux pass), :mod:`.frames` (decoding, :func:`decode_frames`).
 """
 
 from vllm_video_plugin.decode.frames import FrameBatch, decode_frames
 from vllm_video_plugin.decode.limits import DEFAULT_LIMITS, DecodeLimits, VideoSource, source_label
-from vllm_video_plugin.decode.probe import VideoSourceInfo, check_limits, probe_video
+from vllm_video_plugin.decode.probe import VideoSourceInfo, check_limits
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -46,6 +46,5 @@ __all__ = [
     "VideoSourceInfo",
     "check_limits",
     "decode_frames",
-    "probe_video",
     "source_label",
 ]

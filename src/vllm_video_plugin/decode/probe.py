@@ -18,10 +18,10 @@ import av
 import av.error
 import numpy as np
 
-from vllm_video_plugin.decode.limits import DEFAULT_LIMITS, DecodeLimits, VideoSource, source_label
+from vllm_video_plugin.decode.limits import DecodeLimits, VideoSource, source_label
 from vllm_video_plugin.errors import VideoDecodeError
 
-__all__ = ["DemuxedVideo", "Packets", "VideoSourceInfo", "check_limits", "probe_video"]
+__all__ = ["DemuxedVideo", "Packets", "VideoSourceInfo", "check_limits"]
 
 
 @dataclass(frozen=True)
@@ -292,15 +292,3 @@ def check_limits(info: VideoSourceInfo, num_bytes: int, limits: DecodeLimits) ->
     else:
         return
     raise VideoDecodeError(info.label, reason)
-
-
-def probe_video(source: VideoSource, *, limits: DecodeLimits = DEFAULT_LIMITS) -> VideoSourceInfo:
-    """Read a video's stream metadata and count its frames (one demux pass, no decoding).
-
-    Raises:
-        VideoDecodeError: the input is empty, too large, not a media container, has no video
-            stream, or breaks a limit.
-    """
-    video = DemuxedVideo(source, limits, threads=1)
-    video.close()
-    return video.info

@@ -13,7 +13,7 @@ Any failure masks the rollout instead of raising: :attr:`RolloutInputs.mask_reas
 :class:`~rl_bridge.media_batch.MediaMetrics` counts it. Masked rollouts carry no tensors and are
 left out of the policy's forward (their loss weight is 0).
 
-Group dedup: the initial prompt's media are processed once per prompt (:meth:`prompt_media`,
+Group dedup: the initial prompt's media are processed once per prompt (:meth:`processed_prompt_media`,
 before rollout, e.g. for a length filter) and every sample of the group, every turn and every later
 sample that shows the same content holds the same tensors.
 """
@@ -179,7 +179,7 @@ class PolicyInputBuilder:
         )
         self.metrics = MediaMetrics()
 
-    def prompt_media(self, prompt: str | Sequence[Any]) -> tuple[ProcessedMedia, ...]:
+    def processed_prompt_media(self, prompt: str | Sequence[Any]) -> tuple[ProcessedMedia, ...]:
         """Process a row's prompt media before rollout; every sample of its group reuses them.
 
         Args:
@@ -206,7 +206,7 @@ class PolicyInputBuilder:
         problems: list[tuple[Turn, str]] = []
         for turn in trajectory.turns:
             try:
-                processed[turn.index] = [self.store.get(part) for part in turn.prompt_media]
+                processed[turn.index] = [self.store.get(part) for part in turn.new_prompt_media]
             except MediaLoadError as error:
                 return self._count(_masked(error.reason, str(error), trajectory))
             problem = check_placeholders(

@@ -150,7 +150,7 @@ class Turn:
     after a re-tokenisation; empty otherwise)."""
 
     @property
-    def prompt_media(self) -> tuple[MediaPart, ...]:
+    def new_prompt_media(self) -> tuple[MediaPart, ...]:
         """Every media part whose placeholders are in :attr:`new_prompt_ids`, in order."""
         return self.restated_media + self.media
 

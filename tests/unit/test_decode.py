@@ -15,14 +15,29 @@ import numpy as np
 import pytest
 
 from gym_video_env.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
-from vllm_video_plugin import decode as decode_module
 from vllm_video_plugin.contract import VideoSamplingContract
-from vllm_video_plugin.decode import DecodeLimits, decode_frames, probe_video, source_label
+from vllm_video_plugin.decode import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    VideoSource,
+    VideoSourceInfo,
+    decode_frames,
+    source_label,
+)
+from vllm_video_plugin.decode import frames as frames_module
+from vllm_video_plugin.decode.probe import DemuxedVideo
 from vllm_video_plugin.errors import VideoDecodeError, VideoGRPOError
 
 pytestmark = pytest.mark.unit
 
 WIDTH, HEIGHT = 96, 64
+
+
+def probe_video(source: VideoSource) -> VideoSourceInfo:
+    """A video's stream metadata and frame count from the demux pass alone (nothing decoded)."""
+    video = DemuxedVideo(source, DEFAULT_LIMITS, threads=1)
+    video.close()
+    return video.info
 
 
 def barcodes(data: np.ndarray) -> list[int]:
@@ -70,18 +85,18 @@ def no_b_frames(media: Path) -> WrittenVideo:
 def count_work(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """Counts packets sent to the decoder and frames converted to RGB during the test."""
     work = {"packets": 0, "rgb": 0}
-    send, to_rgb = decode_module._Decoder._send, decode_module._Decoder._to_rgb
+    send, to_rgb = frames_module._FrameDecoder._send, frames_module._FrameDecoder._to_rgb
 
-    def counting_send(self: decode_module._Decoder, context: object, packet: av.Packet | None) -> list:
+    def counting_send(self: frames_module._FrameDecoder, context: object, packet: av.Packet | None) -> list:
         work["packets"] += packet is not None
         return send(self, context, packet)  # type: ignore[arg-type]
 
-    def counting_to_rgb(self: decode_module._Decoder, frame: av.VideoFrame) -> np.ndarray:
+    def counting_to_rgb(self: frames_module._FrameDecoder, frame: av.VideoFrame) -> np.ndarray:
         work["rgb"] += 1
         return to_rgb(self, frame)
 
-    monkeypatch.setattr(decode_module._Decoder, "_send", counting_send)
-    monkeypatch.setattr(decode_module._Decoder, "_to_rgb", counting_to_rgb)
+    monkeypatch.setattr(frames_module._FrameDecoder, "_send", counting_send)
+    monkeypatch.setattr(frames_module._FrameDecoder, "_to_rgb", counting_to_rgb)
     yield work
 
 
@@ -136,14 +151,14 @@ def test_converts_each_needed_frame_once(short_gop: WrittenVideo, count_work: di
 
 def test_skips_unreferenced_frames(long_gop: WrittenVideo, monkeypatch: pytest.MonkeyPatch) -> None:
     produced: list[int] = []
-    send = decode_module._Decoder._send
+    send = frames_module._FrameDecoder._send
 
-    def recording_send(self: decode_module._Decoder, context: object, packet: av.Packet | None) -> list:
+    def recording_send(self: frames_module._FrameDecoder, context: object, packet: av.Packet | None) -> list:
         frames = send(self, context, packet)  # type: ignore[arg-type]
         produced.extend(frames)
         return frames
 
-    monkeypatch.setattr(decode_module._Decoder, "_send", recording_send)
+    monkeypatch.setattr(frames_module._FrameDecoder, "_send", recording_send)
     batch = decode_frames(long_gop.path, [59])
     assert barcodes(batch.data) == [59]
     # 60 packets reach frame 59; non-reference B-frames among them are dropped undecoded.

@@ -148,7 +148,7 @@ def test_turn_media_match_the_placeholders_of_their_prompts(case: tuple[list[Any
     assert len(trajectory.turns) == len(expected.calls)
     for turn in trajectory.turns:
         placeholders = [t for t in turn.new_prompt_ids if t in (VIDEO, IMAGE)]
-        assert placeholders == _kinds(turn.prompt_media), turn
+        assert placeholders == _kinds(turn.new_prompt_media), turn
         assert not set(turn.generation_ids) & {VIDEO, IMAGE}
     # Every media part of the rollout is introduced exactly once, in order.
     all_parts = [p for item in [*prompt, *output] if isinstance(item.get("content"), list)

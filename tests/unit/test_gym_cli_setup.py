@@ -24,7 +24,7 @@ from gym_video_env.datasets import GENERIC_FORMAT_HELP, convert_records, read_re
 from gym_video_env.datasets import main as datasets_main
 from rl_bridge.cli import main as cli_main
 from rl_bridge.paths import gym_python, project_root
-from rl_bridge.services.gym_venvs import DEFAULT_STOCK_SERVERS, link_server_venvs, server_dirs
+from rl_bridge.services.gym_venvs import DEFAULT_STOCK_SERVERS, _server_dirs, link_server_venvs
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_gym_venvs_adds_search_dirs_and_refuses_what_is_in_the_way(tmp_path: Pat
     (own / "requirements.txt").write_text("")
     links = link_server_venvs(tmp_path / "venvs", search_dirs=[tmp_path / "mine"])
     assert tmp_path / "venvs" / "resources_servers" / "my_env" / ".venv" in links
-    assert server_dirs(tmp_path / "mine") == [own]
+    assert _server_dirs(tmp_path / "mine") == [own]
 
     blocked = tmp_path / "blocked" / "resources_servers" / "video_mcqa" / ".venv"
     blocked.mkdir(parents=True)

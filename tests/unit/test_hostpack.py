@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,6 @@ from rl_bridge.hostpack import (
     GYM_SKIP,
     MAIN_SKIP,
     HostSpec,
-    _lock_pins,
-    _Plan,
-    _select,
-    join_parts,
     placeholder_wheel,
     read_image_packages,
     repack_wheel,
@@ -26,6 +23,7 @@ from rl_bridge.hostpack import (
     split_parts,
     vllm_for_torch,
 )
+from rl_bridge.hostpack.build import _lock_pins, _Plan, _select
 from tests.fixtures.wheels import make_wheel
 
 pytestmark = pytest.mark.unit
@@ -146,6 +144,12 @@ def test_placeholder_wheel_holds_metadata_only(tmp_path: Path) -> None:
         zf.extractall(tmp_path / "site")
     (dist,) = metadata.distributions(path=[str(tmp_path / "site")])
     assert dist.version == "2.60.0" and "Metadata only" in dist.metadata["Summary"]
+
+
+def join_parts(parts: Iterable[Path], dst: Path) -> Path:
+    """Concatenate ``parts`` in name order into ``dst``, as install.sh does (``cat wheels.tar.NNN``)."""
+    dst.write_bytes(b"".join(part.read_bytes() for part in sorted(parts)))
+    return dst
 
 
 def test_split_and_join_parts_round_trip(tmp_path: Path) -> None:

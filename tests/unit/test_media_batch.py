@@ -119,7 +119,7 @@ def test_group_media_are_processed_once_and_shared(
     processor: QwenVLProcessor, media: dict[str, Path]
 ) -> None:
     builder = _builder(processor, media["prompt"].parent)
-    prompt_media = builder.prompt_media([_user([_video(media["prompt"])])])
+    prompt_processed = builder.processed_prompt_media([_user([_video(media["prompt"])])])
     assert builder.store.stats().processed == 1
     # G samples of one prompt; each injects two clips, which recur across samples.
     later = [[media["left"], media["right"]], [media["right"], media["left"]]] * (GROUP_SIZE // 2)
@@ -129,9 +129,9 @@ def test_group_media_are_processed_once_and_shared(
     stats = builder.store.stats()
     assert stats.processed == 3, "three distinct clips, each processed once"
     for sample in samples:
-        assert sample.media[0] is prompt_media[0], "the prompt clip is one shared object"
+        assert sample.media[0] is prompt_processed[0], "the prompt clip is one shared object"
         assert sample.media[0].tensors["pixel_values_videos"].data_ptr() == (
-            prompt_media[0].tensors["pixel_values_videos"].data_ptr()
+            prompt_processed[0].tensors["pixel_values_videos"].data_ptr()
         )
     assert samples[0].media[1] is samples[1].media[2], "a clip recurring in another sample is shared"
     referenced = sum(m.nbytes for s in samples for m in s.media)

@@ -192,7 +192,7 @@ def test_a_prompt_that_does_not_continue_the_seen_tokens_starts_a_sequence_or_is
     assert turn.sequence == 1 and turn.prompt_start == 0 and list(turn.new_prompt_ids) == ids
     earlier = [t for t in trajectory.turns if t.index < turn.index]
     assert turn.restated_media == tuple(part for t in earlier for part in t.media)
-    assert turn.prompt_media == turn.restated_media + turn.media
+    assert turn.new_prompt_media == turn.restated_media + turn.media
     assert [t.sequence for t in earlier] == [0] * len(earlier)
     assert all(b.sequence - a.sequence in (0, 1) for a, b in itertools.pairwise(trajectory.turns))
     assert trajectory.token_ids(trajectory.turns[-1].sequence) == output_tokens(output)

@@ -35,6 +35,7 @@ from rl_bridge.services.process import ManagedProcess, ServiceError, free_port, 
 
 __all__ = [
     "LOOPBACK",
+    "SERVER_TYPES",
     "GymConfig",
     "GymServerSpec",
     "video_model_server_spec",
@@ -52,7 +53,8 @@ _INJECTED_CONFIG_VARS = ("NEMO_GYM_CONFIG_DICT", "NEMO_GYM_CONFIG_PATH")
 GymServerType = Literal[
     "responses_api_models", "responses_api_agents", "resources_servers", "environment_servers"
 ]
-_SERVER_TYPES: tuple[str, ...] = get_args(GymServerType)
+SERVER_TYPES: tuple[str, ...] = get_args(GymServerType)
+"""The directories under a Gym root that hold servers, one per :data:`GymServerType`."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,10 @@ class GymServerSpec:
     entrypoint: str = "app.py"
 
     def __post_init__(self) -> None:
-        if self.server_type not in _SERVER_TYPES:
+        if self.server_type not in SERVER_TYPES:
             raise ValueError(
                 f"Invalid server_type ({self.server_type!r}) for Gym server {self.name!r}. "
-                f"Supported values are {', '.join(_SERVER_TYPES)}."
+                f"Supported values are {', '.join(SERVER_TYPES)}."
             )
         if not self.name or self.name == HEAD_SERVER_NAME:
             raise ValueError(
@@ -366,7 +368,7 @@ def _resolve_in_gym_env(request_path: Path, result_path: Path) -> None:
     roots = component_search_roots()
     server_dirs: dict[str, str] = {}
     for name, by_type in request["config"].items():
-        if not isinstance(by_type, dict) or not set(by_type) & set(_SERVER_TYPES):
+        if not isinstance(by_type, dict) or not set(by_type) & set(SERVER_TYPES):
             continue
         ((server_type, by_implementation),) = by_type.items()
         ((implementation, fields),) = by_implementation.items()

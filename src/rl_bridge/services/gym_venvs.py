@@ -24,11 +24,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from rl_bridge.paths import gym_python, gym_servers_root
+from rl_bridge.services.gym_server import SERVER_TYPES
 
-__all__ = ["DEFAULT_STOCK_SERVERS", "SERVER_TYPES", "link_server_venvs", "server_dirs", "venv_site_packages"]
-
-#: The directories under a Gym root that hold servers.
-SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents", "environment_servers")
+__all__ = ["DEFAULT_STOCK_SERVERS", "link_server_venvs"]
 
 #: Gym's built-in servers a video setup runs next to this package's: the stock agent paired with
 #: ``video_mcqa``, the stock model server and the environment servers rollout collection goes through.
@@ -41,7 +39,7 @@ DEFAULT_STOCK_SERVERS = (
 )
 
 
-def venv_site_packages(venv: Path) -> Path:
+def _venv_site_packages(venv: Path) -> Path:
     """The ``site-packages`` directory of ``venv``.
 
     Raises:
@@ -55,7 +53,7 @@ def venv_site_packages(venv: Path) -> Path:
     return found[0]
 
 
-def server_dirs(root: Path) -> list[Path]:
+def _server_dirs(root: Path) -> list[Path]:
     """Every server directory under Gym root ``root`` (``<type>/<name>`` with a ``requirements.txt``
     or ``pyproject.toml``, as Gym counts them), sorted."""
     found: list[Path] = []
@@ -96,19 +94,19 @@ def link_server_venvs(
         FileExistsError: a ``.venv`` in ``dest`` exists and is not a symlink.
     """
     venv = (venv if venv is not None else gym_python().parent.parent).absolute()
-    site = venv_site_packages(venv)
+    site = _venv_site_packages(venv)
     names: dict[str, Path] = {}
     ours = gym_servers_root()  # the checkout's src, or where the package is installed
     roots = [ours] + ([site] if site != ours else [])
     for root in roots:
-        for directory in server_dirs(root):
+        for directory in _server_dirs(root):
             if root == site and not _is_this_package(directory):
                 continue
             names.setdefault(f"{directory.parent.name}/{directory.name}", directory)
     for search_dir in search_dirs:
         if not Path(search_dir).is_dir():
             raise FileNotFoundError(f"search dir {search_dir} does not exist")
-        for directory in server_dirs(Path(search_dir)):
+        for directory in _server_dirs(Path(search_dir)):
             names.setdefault(f"{directory.parent.name}/{directory.name}", directory)
     for stock in stock_servers:
         if not ((site / stock / "requirements.txt").is_file() or (site / stock / "pyproject.toml").is_file()):

@@ -218,7 +218,7 @@ def _load_recipe(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rl_bridge.placement import GiB, Hardware, PlacementError, plan_placement
+    from rl_bridge.placement import GiB, Hardware, PlacementError, format_plan, plan_placement
 
     recipe = _load_recipe(args)
     gpus, memory = args.gpus_per_node, args.gpu_memory_gib
@@ -236,7 +236,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except PlacementError as error:
         print(f"video-grpo plan: {error}", file=sys.stderr)
         return 2
-    print(plan.table())
+    print(format_plan(plan))
     return 0
 
 

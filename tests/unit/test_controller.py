@@ -17,7 +17,7 @@ import torch
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.controller import Controller, StepBatch
-from rl_bridge.backends.roles import Roles
+from rl_bridge.backends.handles import Roles
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.rollout import RolloutResult

@@ -336,7 +336,7 @@ def test_cli_plan_imports_neither_vllm_nor_megatron() -> None:
 
 def test_the_local_backend_pins_each_vllm_replica_and_policy_rank_to_its_planned_gpu() -> None:
     from rl_bridge.backends.policy_ranks import rank_environment
-    from rl_bridge.backends.roles import replica_server
+    from rl_bridge.backends.vllm_servers import replica_server
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
     plan = plan_placement(load_recipe(RECIPES / "qwen2_5_vl_7b_gpu.yaml"), Hardware(1, 8, 80 * GiB))

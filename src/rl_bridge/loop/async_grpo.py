@@ -50,7 +50,7 @@ from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
 from rl_bridge.loop.replay import DataOrder, Group, ReplayBuffer, read_groups, write_groups
-from rl_bridge.backends.roles import start_roles
+from rl_bridge.backends.launch import start_roles
 from rl_bridge.loop.rundir import RunDirError, new_run_dir, resumable_run_dir
 from rl_bridge.loop.tasks import prepare_task
 from rl_bridge.rollout import ROLLOUT_OUTCOMES, RolloutResult

@@ -35,7 +35,7 @@ import torch
 
 from rl_bridge.grpo import group_advantages, mismatch_exceeds
 from rl_bridge.recipe import Recipe
-from rl_bridge.backends.roles import Roles
+from rl_bridge.backends.handles import Roles
 from rl_bridge.loop.tasks import TaskData
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
 from vllm_video_plugin.refit import PauseMode
@@ -195,7 +195,7 @@ class Controller:
         reload): one at a time, whoever asks."""
         self._connected: set[str] = set()
         """The servers whose weight-transfer group the policy has joined."""
-        from rl_bridge.backends.roles import weight_transfer_backend
+        from rl_bridge.backends.vllm_servers import weight_transfer_backend
 
         self._transfer_backend = weight_transfer_backend(recipe) or ""
         if roles.vllm_supervisor is not None:
@@ -205,7 +205,7 @@ class Controller:
             max_attempts=recipe.rollout.max_attempts,
             timeout_s=recipe.rollout.timeout_s,
         )
-        from rl_bridge.backends.roles import run_processor
+        from rl_bridge.backends.vllm_servers import run_processor
         from rl_bridge.loop.tasks import turn_choices
         from rl_bridge.structured_outputs import GrammarMasks
 

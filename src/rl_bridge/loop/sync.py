@@ -5,7 +5,7 @@
 1. builds the tiny model and writes the task clips (training and held-out rows;
    :func:`rl_bridge.loop.tasks.prepare_task`);
 2. starts vLLM (dev mode, for refits), the Gym servers on loopback and the Megatron policy
-   (:func:`rl_bridge.backends.roles.start_roles`);
+   (:func:`rl_bridge.backends.launch.start_roles`);
 3. with ``warm_start.steps``, takes that many supervised steps on the task's first-turn
    demonstrations and refits vLLM (:meth:`~rl_bridge.loop.controller.Controller.warm_start`);
 4. per step, each stage timed, runs the stages of :class:`rl_bridge.loop.controller.Controller`:
@@ -31,7 +31,7 @@ from rl_bridge.recipe import EXPORT_DIR, Recipe
 from rl_bridge.loop.controller import Controller, timed
 from rl_bridge.loop.metrics import DeviceMemoryMonitor, RunMetrics, curves_title, write_curves
 from rl_bridge.loop.report import RunReport, announce_run
-from rl_bridge.backends.roles import start_roles
+from rl_bridge.backends.launch import start_roles
 from rl_bridge.loop.rundir import new_run_dir
 from rl_bridge.loop.tasks import prepare_task
 

@@ -1,5 +1,6 @@
 """The policy ranks' and the Ray backend's pure parts: cluster config validation, the data-parallel
-split, the guardian."""
+split, the guardian, the cluster's hardware description from Ray's node list, the model loader's
+arguments shared by the run and ``serve-vllm``."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
     structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; on CPU with one
-    worker, the worker inside the engine-core process (a third less CPU time to start).
+    worker, the worker inside the engine-core process (one process fewer importing vLLM; the cost:
+    docs/ARCHITECTURE.md).
     """
     from rl_bridge.services.vllm_server import VLLMServerConfig
     from rl_bridge.structured_outputs import STRUCTURED_OUTPUTS_BACKEND

@@ -6,7 +6,7 @@ first), ``rollout.group_size`` samples each, at the recipe's temperature and out
 configurations, vLLM started afresh for each (start times reported apart, never in a timed figure):
 
 - **ours**: the loop's rollout stage as the loop runs it. vLLM from
-  ``rl_bridge.backends.roles.vllm_config(recipe, data)`` (this package's loader and video loader,
+  ``rl_bridge.backends.vllm_servers.vllm_config(recipe, data)`` (this package's loader and video loader,
   CUDA graphs on GPUs, prefix caching, chunked prefill, the encoder cache), the task's Gym servers
   (``data.gym_specs``), and every sample through the agent's ``/run`` with
   ``rl_bridge.rollout.collect_rollouts``: Gym, HTTP and the server-side decoding of the clip files
@@ -222,7 +222,7 @@ def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:
     """The vLLM server of configuration ``name``. ``fallback`` 1 drops what only refits need (the
     weight-transfer engine, sleep mode), 2 also this package's model loader: used only when a start
     failed, and recorded."""
-    from rl_bridge.backends.roles import vllm_config
+    from rl_bridge.backends.vllm_servers import vllm_config
 
     config = vllm_config(recipe, data)
     extra = list(config.extra_args)
@@ -362,7 +362,7 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     """The stock configuration (run in a child process): decode, build the engine, warm up, time."""
     import torch
 
-    from rl_bridge.backends.roles import run_processor
+    from rl_bridge.backends.vllm_servers import run_processor
     from rl_bridge.loop.tasks import prepare_task
 
     recipe = load(recipe_path, overrides, args)

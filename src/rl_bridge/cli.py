@@ -106,9 +106,9 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
         )
         return 2
     contract = _video_contract(args.video_contract, args.model)
+    from rl_bridge.backends.vllm_servers import model_loader_args
     from rl_bridge.services.process import ServiceError
     from rl_bridge.services.vllm_server import VLLMServerConfig, server_argv, start_vllm_server
-    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
     from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 
     extra_args: list[str] = []
@@ -121,8 +121,7 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        loader_config = {CONTRACT_CONFIG_KEY: contract.model_dump(mode="json", exclude_none=True)}
-        extra_args += ["--model-loader-extra-config", json.dumps(loader_config, sort_keys=True)]
+        extra_args += model_loader_args(contract)
     config = VLLMServerConfig(
         model=args.model.resolve(),
         served_model_name=args.served_model_name,
@@ -218,7 +217,7 @@ def _load_recipe(args: argparse.Namespace) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rl_bridge.placement import GiB, Hardware, PlacementError, plan_placement
+    from rl_bridge.placement import GiB, Hardware, PlacementError, format_plan, plan_placement
 
     recipe = _load_recipe(args)
     gpus, memory = args.gpus_per_node, args.gpu_memory_gib
@@ -236,7 +235,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except PlacementError as error:
         print(f"video-grpo plan: {error}", file=sys.stderr)
         return 2
-    print(plan.table())
+    print(format_plan(plan))
     return 0
 
 

@@ -615,7 +615,7 @@ class ClusterSection(_Section):
 
     backend: Literal["local", "ray"] = "local"
     """``"local"``: subprocesses on this host (a one-rank policy in the controller's process);
-    ``"ray"``: Ray actors (see :mod:`rl_bridge.backends.ray_roles`)."""
+    ``"ray"``: Ray actors (see :mod:`rl_bridge.backends.ray_cluster`)."""
     ray_address: str | None = None
     """Address of a running Ray cluster (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``);
     ``None`` with ``backend="ray"``: start a local Ray instance for the run."""

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from rl_bridge.recipe import load_recipe
-from rl_bridge.backends.ray_roles import PLACEMENT_FILE
+from rl_bridge.backends.ray_cluster import PLACEMENT_FILE
 from rl_bridge.loop.sync import run_sync
+from rl_bridge.recipe import load_recipe
 from rl_bridge.services.process import ManagedProcess, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -193,6 +193,7 @@ def test_each_role_ran_in_its_own_ray_actor(run: tuple[dict, list[dict], dict]) 
     _, _, placement = run
     roles = placement["roles"]
     assert set(roles) == {"vllm", "gym", "policy[rank 0]", "policy[rank 1]"}
+    assert placement["hardware"] == "1 node, no GPUs"  # planned against the cluster Ray reports
     actor_pids = {info["pid"] for info in roles.values()}
     assert len(actor_pids) == 4
     assert os.getpid() not in actor_pids and placement["driver"]["pid"] == os.getpid()
@@ -218,3 +219,26 @@ def test_no_server_or_actor_outlives_the_run(run: tuple[dict, list[dict], dict])
         time.sleep(0.5)
     assert [pid for pid in actors if _alive(pid)] == []
     assert {group: _live_group_members(group) for group in groups} == {group: [] for group in groups}
+
+
+def test_a_run_that_does_not_fit_the_cluster_is_refused_before_its_actors_start(
+    ray_address: str, tmp_path: Path
+) -> None:
+    from contextlib import ExitStack
+
+    from rl_bridge.backends.ray_cluster import start_ray_roles
+    from rl_bridge.placement import PlacementError
+
+    overrides = ["model.vllm_gpus=1", "model.policy_gpus=1", "model.layer_spec=local"]
+    recipe = load_recipe(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "cluster.backend=ray",
+            f"cluster.ray_address={ray_address}",
+            *overrides,
+        ],
+    )
+    with pytest.raises(PlacementError, match=r"needs 2 GPUs .*the hardware has 0 \(1 node, no GPUs\)"):
+        with ExitStack() as stack:
+            start_ray_roles(recipe, None, stack)  # type: ignore[arg-type] - refused before the task data is read

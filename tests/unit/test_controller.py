@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from rl_bridge.backends.roles import Roles
+from rl_bridge.backends.handles import Roles
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.loop.collect import SyncCollector
 from rl_bridge.loop.stages.preprocess import StepBatch

@@ -137,7 +137,7 @@ def test_colocated_gpus_are_counted_once() -> None:
 def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rl_bridge.backends.roles import vllm_config, weight_transfer_backend
+    from rl_bridge.backends.vllm_servers import vllm_config, weight_transfer_backend
 
     overrides = ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2"]
     colocated = load_recipe(None, [*overrides, "model.placement=colocated"])
@@ -147,7 +147,7 @@ def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    monkeypatch.setattr("rl_bridge.backends.roles.run_processor", lambda recipe, data: _FixedContract())
+    monkeypatch.setattr("rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract())
     data = _task_data(model_dir, tmp_path)
     assert "--enable-sleep-mode" in vllm_config(colocated, data).extra_args
     assert "--enable-sleep-mode" not in vllm_config(split, data).extra_args
@@ -161,12 +161,12 @@ def test_in_memory_refits_on_gpus_use_nccl_split_and_cuda_ipc_colocated(
     """With the policy on GPUs, vLLM's ``nccl`` engine serves split placement and its ``ipc``
     engine colocated placement (asked for with ``refit.transport: memory``), whose server is
     allowed to unpickle the IPC handles; on CPU this package's gloo engine."""
-    from rl_bridge.backends.roles import vllm_config, weight_transfer_backend
+    from rl_bridge.backends.vllm_servers import vllm_config, weight_transfer_backend
     from rl_bridge.services.vllm_server import server_env
     from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("rl_bridge.backends.roles.run_processor", lambda recipe, data: _FixedContract())
+    monkeypatch.setattr("rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract())
     overrides = ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2"]
     colocated = load_recipe(None, [*overrides, "model.placement=colocated", "refit.transport=memory"])
     split = load_recipe(None, overrides)
@@ -199,7 +199,7 @@ def _task_data(model_dir: Path, media_root: Path) -> TaskData:
 def test_vllm_starts_with_the_load_format_and_the_run_s_contract(tiny_qwen25vl: Path, tmp_path: Path) -> None:
     """The loop's vLLM checks the contract against the checkpoint at start-up (``--load-format
     video_grpo``), and its loader samples with the same contract as the trainer's processor."""
-    from rl_bridge.backends.roles import run_processor, vllm_config
+    from rl_bridge.backends.vllm_servers import run_processor, vllm_config
     from vllm_video_plugin.contract import VideoSamplingContract
     from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
     from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
@@ -224,7 +224,7 @@ def test_vllm_starts_with_the_load_format_and_the_run_s_contract(tiny_qwen25vl: 
 def test_vllm_runs_eager_on_cpu_and_with_cuda_graphs_on_gpus_unless_a_recipe_asks(
     tiny_qwen25vl: Path, tmp_path: Path
 ) -> None:
-    from rl_bridge.backends.roles import vllm_config
+    from rl_bridge.backends.vllm_servers import vllm_config
 
     data = _task_data(tiny_qwen25vl, tmp_path)
     gpus = ["model.vllm_gpus=1", "model.policy_gpus=1", "model.layer_spec=local"]

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rl_bridge.cli import main as cli_main
-from rl_bridge.recipe import load_recipe
-from rl_bridge.placement import GiB, Hardware, PlacementError, model_shape, plan_placement
 from rl_bridge.paths import project_root
+from rl_bridge.placement import GiB, Hardware, PlacementError, format_plan, model_shape, plan_placement
+from rl_bridge.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -138,7 +138,7 @@ def test_cpu_recipes_plan_their_servers_and_ranks_on_the_cpu(path: Path) -> None
     assert plan.placement == "cpu"
     assert len(plan.vllm) == recipe.model.cpu_vllm_servers and all(r.devices == () for r in plan.vllm)
     assert len(plan.policy) == recipe.model.cpu_policy_ranks and all(r.device is None for r in plan.policy)
-    assert "cpu" in plan.table()
+    assert "cpu" in format_plan(plan)
 
 
 def test_the_scaled_cpu_recipe_plans_two_servers_and_two_data_parallel_ranks() -> None:
@@ -157,7 +157,10 @@ def test_a_cpu_pipeline_plans_one_stage_per_rank() -> None:
         load_recipe(None, ["model.cpu_policy_ranks=2", "model.policy_pipeline_parallel_size=2"]), Hardware()
     )
     assert (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel) == (1, 2, 1)
-    assert [(r.rank, r.pipeline_rank, r.data_rank, r.device) for r in plan.policy] == [(0, 0, 0, None), (1, 1, 0, None)]
+    assert [(r.rank, r.pipeline_rank, r.data_rank, r.device) for r in plan.policy] == [
+        (0, 0, 0, None),
+        (1, 1, 0, None),
+    ]
     assert plan.pipeline_groups == ((0, 1),)
 
 
@@ -183,7 +186,7 @@ def test_colocated_plans_share_the_same_gpus() -> None:
     # Resident policy state, plus vLLM's reservation (larger than the activations) while generating.
     state = plan.policy_memory.weights + plan.policy_memory.gradients + plan.policy_memory.optimizer
     assert need == state + max(plan.policy_memory.activations, plan.vllm_memory.total)
-    assert "while generating" in breakdown and "colocated" in plan.table()
+    assert "while generating" in breakdown and "colocated" in format_plan(plan)
     # vLLM TP 4 and policy TP 2 on the same four GPUs.
     plan = _colocated_7b("model.vllm_tensor_parallel_size=4")
     assert len(plan.vllm) == 1 and plan.vllm_devices == plan.policy_devices
@@ -333,7 +336,7 @@ def test_cli_plan_imports_neither_vllm_nor_megatron() -> None:
 
 def test_the_local_backend_pins_each_vllm_replica_and_policy_rank_to_its_planned_gpu() -> None:
     from rl_bridge.backends.policy_ranks import rank_environment
-    from rl_bridge.backends.roles import replica_server
+    from rl_bridge.backends.vllm_servers import replica_server
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
     plan = plan_placement(load_recipe(RECIPES / "qwen2_5_vl_7b_gpu.yaml"), Hardware(1, 8, 80 * GiB))
@@ -344,7 +347,12 @@ def test_the_local_backend_pins_each_vllm_replica_and_policy_rank_to_its_planned
         ({"KEEP": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, "vllm-1"),
     ]
     environments = [rank_environment(rank, len(plan.policy), 29500) for rank in plan.policy]
-    assert [(e.rank, e.local_rank, e.world_size) for e in environments] == [(0, 4, 4), (1, 5, 4), (2, 6, 4), (3, 7, 4)]
+    assert [(e.rank, e.local_rank, e.world_size) for e in environments] == [
+        (0, 4, 4),
+        (1, 5, 4),
+        (2, 6, 4),
+        (3, 7, 4),
+    ]
     cpu = plan_placement(load_recipe(RECIPES / "tiny_cpu_scaled.yaml"), Hardware())
     assert replica_server(config, cpu.vllm[1], several=True) == (config, "vllm-1")
     assert {rank_environment(rank, 2, 29500).local_rank for rank in cpu.policy} == {0}

@@ -1,5 +1,6 @@
 """The policy ranks' and the Ray backend's pure parts: cluster config validation, the data-parallel
-split, the guardian."""
+split, the guardian, the cluster's hardware description from Ray's node list, the model loader's
+arguments shared by the run and ``serve-vllm``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pydantic
 import pytest
 import torch
 
-from rl_bridge.recipe import load_recipe
 from rl_bridge.backends.policy_ranks import split_for_data_parallel
 from rl_bridge.megatron.batch import PolicySample
+from rl_bridge.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +73,7 @@ def test_split_fills_empty_shares_with_zero_weight_copies() -> None:
 
 _OWNER = """
 import sys, time
-from rl_bridge.backends.ray_roles import guard_process_groups
+from rl_bridge.backends.ray_cluster import guard_process_groups
 from rl_bridge.services.process import ManagedProcess
 server = ManagedProcess("sleeper", ["sleep", "300"], log_path=sys.argv[1])
 guard_process_groups([server.pid])
@@ -103,3 +104,61 @@ def test_guardian_kills_the_servers_of_a_killed_owner(tmp_path) -> None:
     finally:
         owner.kill()
         owner.wait()
+
+
+def _node(node_id: str, *, gpus: float = 0, alive: bool = True) -> dict:
+    resources = {"CPU": 16.0, f"node:10.0.0.{len(node_id)}": 1.0} | ({"GPU": gpus} if gpus else {})
+    return {"NodeID": node_id, "Alive": alive, "Resources": resources}
+
+
+def test_a_ray_cluster_is_planned_as_its_gpu_nodes_smallest_gpu_count_and_memory() -> None:
+    from rl_bridge.backends.ray_hardware import hardware_from_ray_nodes
+    from rl_bridge.placement import GiB, Hardware
+
+    # A CPU head node and three GPU workers (one with fewer GPUs, one with smaller GPUs), one dead.
+    nodes = [
+        _node("head"),
+        _node("gpu-a", gpus=8),
+        _node("gpu-b", gpus=8),
+        _node("gpu-c", gpus=4),
+        _node("gone", gpus=8, alive=False),
+    ]
+    memory = {"gpu-a": 80 * GiB, "gpu-b": 40 * GiB, "gpu-c": 80 * GiB, "gone": 10 * GiB}
+    assert hardware_from_ray_nodes(nodes, memory) == Hardware(3, 4, 40 * GiB)
+    # A node whose memory could not be read is left out of the minimum.
+    assert hardware_from_ray_nodes(nodes, {"gpu-a": 80 * GiB}) == Hardware(3, 4, 80 * GiB)
+
+
+def test_a_ray_cluster_without_gpus_is_planned_as_its_alive_nodes() -> None:
+    from rl_bridge.backends.ray_hardware import hardware_from_ray_nodes
+    from rl_bridge.placement import Hardware, PlacementError
+
+    nodes = [_node("head"), _node("worker"), _node("gone", alive=False)]
+    assert hardware_from_ray_nodes(nodes, {}) == Hardware(nodes=2, gpus_per_node=0, gpu_memory_bytes=0)
+    with pytest.raises(PlacementError, match="no alive node"):
+        hardware_from_ray_nodes([_node("gone", alive=False)], {})
+
+
+def test_unread_gpu_memory_skips_the_memory_checks_but_not_the_gpu_counts() -> None:
+    from rl_bridge.backends.ray_hardware import UNCHECKED_GPU_MEMORY, hardware_from_ray_nodes
+    from rl_bridge.placement import Hardware, PlacementError, plan_placement
+
+    hardware = hardware_from_ray_nodes([_node("gpu", gpus=2)], {})
+    assert hardware == Hardware(1, 2, UNCHECKED_GPU_MEMORY)
+    gpus = ["model.vllm_gpus=1", "model.policy_gpus=1", "model.layer_spec=local", "cluster.backend=ray"]
+    assert plan_placement(load_recipe(None, gpus), hardware).placement == "split"
+    with pytest.raises(PlacementError, match="needs 4 GPUs"):
+        plan_placement(load_recipe(None, ["model.vllm_gpus=2", "model.policy_gpus=2", *gpus[2:]]), hardware)
+
+
+def test_serve_vllm_and_the_run_hand_the_loader_the_same_contract_config() -> None:
+    import json
+
+    from rl_bridge.backends.vllm_servers import model_loader_args
+    from vllm_video_plugin.contract import VideoSamplingContract
+    from vllm_video_plugin.geometry import CONTRACT_CONFIG_KEY
+
+    contract = VideoSamplingContract(style="qwen2_vl")
+    flag, value = model_loader_args(contract)
+    assert flag == "--model-loader-extra-config"
+    assert VideoSamplingContract.model_validate(json.loads(value)[CONTRACT_CONFIG_KEY]) == contract

@@ -7,7 +7,7 @@ own, joined by torch.distributed (gloo on CPU, NCCL on GPUs, each rank on the GP
 it), and the controller drives them through :class:`RankedPolicy`:
 
 * the local backend starts the workers as child processes (:class:`LocalPolicyRanks`);
-* the Ray backend starts them as actors (:mod:`rl_bridge.backends.ray_roles`).
+* the Ray backend starts them as actors (:mod:`rl_bridge.backends.ray_cluster`).
 
 Both hand :class:`RankedPolicy` a *transport*: a function that calls one method on every rank,
 each rank with its own arguments, and returns the results in rank order. Megatron's methods are
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rl_bridge.placement import PolicyRank
     from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.distributed import ParallelLayout, RankEnvironment
     from rl_bridge.megatron.policy import PolicyConfig, PolicyLoss, TrainStepMetrics
+    from rl_bridge.placement import PolicyRank
 
 __all__ = [
     "LocalPolicyRanks",
@@ -151,7 +151,7 @@ def split_for_data_parallel(batch: Sequence[PolicySample], size: int) -> list[li
 
 
 class RankedPolicy:
-    """The :class:`~rl_bridge.backends.roles.PolicyHandle` of a policy held by :class:`PolicyWorker` ranks.
+    """The :class:`~rl_bridge.backends.handles.PolicyHandle` of a policy held by :class:`PolicyWorker` ranks.
 
     Every call goes to every rank through ``transport``. :meth:`train_step` returns rank 0's
     metrics (already reduced over the data-parallel ranks; ``num_samples`` and token counts include

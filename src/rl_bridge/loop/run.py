@@ -1,7 +1,7 @@
 """What both loops do around their steps: start a run, log each step, end it.
 
 :class:`Run` announces the run, prepares the task (:func:`rl_bridge.loop.tasks.prepare_task`),
-starts the roles (:func:`rl_bridge.backends.roles.start_roles`: vLLM, the Gym servers, the
+starts the roles (:func:`rl_bridge.backends.launch.start_roles`: vLLM, the Gym servers, the
 policy) and builds the stages (:class:`~rl_bridge.loop.step.Stages`), timing it all as
 ``time/setup_s``; :meth:`Run.begin` opens the metrics (TensorBoard and ``metrics.jsonl``), the
 progress bar and validation (:class:`~rl_bridge.loop.report.RunReport`), and takes the warm start
@@ -52,7 +52,7 @@ class Run:
     def __init__(self, recipe: Recipe, run_dir: Path, stack: ExitStack) -> None:
         """Write ``recipe.json``, announce the run and set it up; what it starts is stopped when
         ``stack`` closes."""
-        from rl_bridge.backends.roles import start_roles
+        from rl_bridge.backends.launch import start_roles
         from rl_bridge.loop.tasks import prepare_task
 
         self.recipe = recipe

@@ -29,7 +29,7 @@ class Stages:
     data: Any
     """The task's :class:`~rl_bridge.loop.tasks.TaskData`."""
     roles: Any
-    """The started :class:`~rl_bridge.backends.roles.Roles`."""
+    """The started :class:`~rl_bridge.backends.handles.Roles`."""
     rollout: RolloutStage
     preprocess: Preprocessor
     train: TrainStage
@@ -38,7 +38,7 @@ class Stages:
     @classmethod
     def build(cls, recipe: Recipe, data: Any, roles: Any) -> Stages:
         from gym_video_env import MediaSettings
-        from rl_bridge.backends.roles import run_processor
+        from rl_bridge.backends.vllm_servers import run_processor
         from rl_bridge.loop.tasks import turn_choices
         from rl_bridge.megatron.policy import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder

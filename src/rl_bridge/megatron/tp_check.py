@@ -169,7 +169,7 @@ def observe_step(
 
 def data_parallel_share(num_samples: int, rank: int, size: int) -> slice:
     """The contiguous share of ``num_samples`` that data-parallel ``rank`` of ``size`` trains on
-    (sizes differ by at most one, as :func:`rl_bridge.backends.ray_roles.split_for_data_parallel`)."""
+    (sizes differ by at most one, as :func:`rl_bridge.backends.policy_ranks.split_for_data_parallel`)."""
     base, extra = divmod(num_samples, size)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (rank < extra))

@@ -27,7 +27,7 @@ class Refitter:
     """Moves the policy's weights to the run's vLLM servers (see the module docstring)."""
 
     def __init__(self, recipe: Recipe, roles: Any) -> None:
-        from rl_bridge.backends.roles import weight_transfer_backend
+        from rl_bridge.backends.vllm_servers import weight_transfer_backend
 
         self.recipe = recipe
         self.roles = roles

@@ -1,16 +1,20 @@
 """A run's roles as Ray actors: the vLLM servers, the Gym servers and the Megatron policy ranks.
 
 :func:`start_ray_roles` is the ``cluster.backend="ray"`` branch of
-:func:`rl_bridge.backends.roles.start_roles`. It connects to ``cluster.ray_address`` (or starts a local
-Ray instance) and creates the actors of the run's plan (:func:`rl_bridge.placement.plan_placement`:
-the same replica and rank counts and parallel groups as the local backend), each placed by its
-:class:`~rl_bridge.recipe.RolePlacement` (logical CPUs, custom resources, a node id):
+:func:`rl_bridge.backends.launch.start_roles`. It connects to ``cluster.ray_address`` (or starts a
+local Ray instance), plans the run against the cluster's nodes, GPUs and GPU memory
+(:func:`rl_bridge.backends.ray_hardware.ray_cluster_hardware`,
+:func:`rl_bridge.placement.plan_placement`: the same replica and rank counts and parallel groups as
+the local backend, refused before any actor starts when it does not fit) and creates the plan's
+actors, each placed by its :class:`~rl_bridge.recipe.RolePlacement` (logical CPUs, custom resources,
+a node id; Ray picks the nodes and GPUs, so the plan's devices are not used):
 
-* one :class:`VLLMServerActor` per vLLM replica starts a server (:func:`.roles.vllm_config`) as a
-  child process of the actor, with the replica's GPUs (Ray ``num_gpus`` = its TP size);
+* one :class:`VLLMServerActor` per vLLM replica starts a server
+  (:func:`rl_bridge.backends.vllm_servers.vllm_config`) as a child process of the actor, with the
+  replica's GPUs (Ray ``num_gpus`` = its TP size);
 * :class:`GymServersActor` starts the task's Gym servers (model server over every replica,
   resources server, agent);
-* one :class:`PolicyWorker` actor per policy rank (one GPU each on a GPU recipe) holds one
+* one :class:`PolicyWorkerActor` per policy rank (one GPU each on a GPU recipe) holds one
   Megatron rank of the policy (and of the reference policy, when the loss needs one), joined by
   torch.distributed (:func:`rl_bridge.megatron.distributed.model_parallel_group`; rank 0's node
   hosts the rendezvous). The driver's handle is :class:`rl_bridge.backends.policy_ranks.RankedPolicy`
@@ -45,22 +49,22 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl_bridge.grpo import needs_reference
 from rl_bridge.backends import policy_ranks
-from rl_bridge.recipe import ClusterSection, Recipe, RolePlacement
-from rl_bridge.backends.roles import Roles, placement_summary, vllm_config
-from rl_bridge.loop.tasks import TaskData
+from rl_bridge.backends.handles import Roles, placement_summary
+from rl_bridge.backends.vllm_servers import vllm_config
+from rl_bridge.grpo import needs_reference
 
 if TYPE_CHECKING:
     import ray
 
-    from rl_bridge.placement import Plan
+    from rl_bridge.loop.tasks import TaskData
+    from rl_bridge.recipe import ClusterSection, ModelSection, Recipe, RolePlacement
     from rl_bridge.services.gym_server import GymServerSpec
     from rl_bridge.services.vllm_server import VLLMServerConfig
 
 __all__ = [
     "GymServersActor",
-    "PolicyWorker",
+    "PolicyWorkerActor",
     "VLLMServerActor",
     "guard_process_groups",
     "ray_transport",
@@ -230,7 +234,7 @@ class GymServersActor:
             self._guardian.wait()
 
 
-class PolicyWorker(policy_ranks.PolicyWorker):
+class PolicyWorkerActor(policy_ranks.PolicyWorker):
     """One Megatron rank (:class:`rl_bridge.backends.policy_ranks.PolicyWorker`) as a Ray actor."""
 
     def node_info(self) -> dict[str, Any]:
@@ -279,8 +283,8 @@ def _get(role: str, ref: ray.ObjectRef) -> Any:
 
 
 def ray_transport(workers: Sequence[ray.actor.ActorHandle]) -> policy_ranks.Transport:
-    """The :data:`~rl_bridge.backends.policy_ranks.Transport` of :class:`PolicyWorker` actors (in rank
-    order): each rank's call as a Ray task, the first failure raised with its rank named."""
+    """The :data:`~rl_bridge.backends.policy_ranks.Transport` of :class:`PolicyWorkerActor` actors (in
+    rank order): each rank's call as a Ray task, the first failure raised with its rank named."""
 
     def call_all(
         which: str, method: str, per_rank_args: Sequence[tuple[Any, ...]], kwargs: dict[str, Any]
@@ -313,17 +317,17 @@ def _actor_options(
     return options
 
 
-def _local_cpus(cluster: ClusterSection, plan: Plan) -> int:
-    """Logical CPUs a local Ray instance needs to place every role of ``plan`` (at least 1)."""
+def _local_cpus(cluster: ClusterSection, model: ModelSection) -> int:
+    """Logical CPUs a local Ray instance needs to place every role of the run (at least 1)."""
     wanted = (
-        len(plan.vllm) * cluster.vllm.num_cpus
+        model.vllm_replicas * cluster.vllm.num_cpus
         + cluster.gym.num_cpus
-        + len(plan.policy) * cluster.policy.num_cpus
+        + model.policy_ranks * cluster.policy.num_cpus
     )
     return max(1, math.ceil(wanted))
 
 
-def _connect(cluster: ClusterSection, plan: Plan, run_dir: Path, stack: ExitStack) -> None:
+def _connect(cluster: ClusterSection, model: ModelSection, run_dir: Path, stack: ExitStack) -> None:
     """Connect to ``cluster.ray_address`` or start a local Ray instance, unless Ray is initialised
     already; what this function started or connected is shut down by ``stack``."""
     import ray
@@ -339,8 +343,8 @@ def _connect(cluster: ClusterSection, plan: Plan, run_dir: Path, stack: ExitStac
         ray.init(address=cluster.ray_address, **common)
         stack.callback(ray.shutdown)
         return
-    on_gpus = plan.placement != "cpu"
-    context = ray.init(num_cpus=_local_cpus(cluster, plan), num_gpus=None if on_gpus else 0, **common)
+    on_gpus = model.num_gpus > 0
+    context = ray.init(num_cpus=_local_cpus(cluster, model), num_gpus=None if on_gpus else 0, **common)
     stack.callback(ray.shutdown)
     logs = run_dir / "logs" / "ray"
     logs.parent.mkdir(parents=True, exist_ok=True)
@@ -366,20 +370,24 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     Where each role ran is written to ``<run_dir>/logs/ray_roles.json``.
 
     Raises:
-        rl_bridge.placement.PlacementError: the recipe's parallel sizes do not fit its model.
+        rl_bridge.placement.PlacementError: the recipe's parallel sizes do not fit its model, or the
+            run does not fit the cluster's GPUs or their memory.
         TimeoutError: an actor was not placed and started within ``cluster.actor_start_timeout_s``
             (the message names the roles and the cluster's free resources).
         rl_bridge.services.process.ServiceError: a server did not start (noted with its role).
     """
     import ray
 
+    from rl_bridge.backends.ray_hardware import ray_cluster_hardware
     from rl_bridge.megatron.distributed import RankEnvironment
     from rl_bridge.paths import gym_servers_root
+    from rl_bridge.placement import plan_placement
 
     cluster = recipe.cluster
-    plan = _ray_plan(recipe)
     run_dir = recipe.run_dir.resolve()
-    _connect(cluster, plan, run_dir, stack)
+    _connect(cluster, recipe.model, run_dir, stack)
+    hardware = ray_cluster_hardware(timeout_s=cluster.actor_start_timeout_s)
+    plan = plan_placement(recipe, hardware)
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
     on_gpus = plan.placement != "cpu"
     job = ray.get_runtime_context().get_job_id()
@@ -401,7 +409,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     ]
     gym = create(GymServersActor, "gym", cluster.gym, 0.0)
     ranks = [f"policy[rank {rank.rank}]" for rank in plan.policy]
-    workers = [create(PolicyWorker, role, cluster.policy, 1.0 if on_gpus else 0.0) for role in ranks]
+    workers = [create(PolicyWorkerActor, role, cluster.policy, 1.0 if on_gpus else 0.0) for role in ranks]
     actors = dict(zip([*replicas, "gym", *ranks], [*vllms, gym, *workers], strict=True))
     try:
         infos = _gather(
@@ -466,6 +474,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
 
     placement = {
         "driver": {"node_id": driver_node, "pid": os.getpid()},
+        "hardware": hardware.describe(),
         "roles": nodes,
         "vllm": served if several else served[0],
         "gym": gym_started,
@@ -481,17 +490,6 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
         reference=policy_ranks.RankedPolicy("reference", transport, layouts) if with_reference else None,
         placement=placement_summary(plan, "ray"),
     )
-
-
-def _ray_plan(recipe: Recipe) -> Plan:
-    """The recipe's plan for Ray: its replica and rank counts and parallel groups (Ray picks the
-    nodes and GPUs, so the plan's devices are not used), on a hardware description just large
-    enough that only the model's constraints (heads, sizes) can refuse it."""
-    from rl_bridge.placement import GiB, Hardware, plan_placement
-
-    model = recipe.model
-    gpus = max(model.num_gpus, model.vllm_tensor_parallel_size, model.policy_tensor_parallel_size)
-    return plan_placement(recipe, Hardware(nodes=1, gpus_per_node=gpus, gpu_memory_bytes=1024 * GiB))
 
 
 def _parent_pid(pid: int) -> int:

@@ -40,12 +40,12 @@ from safetensors.torch import load_file
 
 from rl_bridge.megatron.policy import _write_safetensors, chunk_by_bytes
 from rl_bridge.paths import cache_dir
+from rl_bridge.refit.client import RefitClient
+from rl_bridge.refit.sync import WeightSync
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
 from rl_bridge.tiny_models import build_tiny_model
-from rl_bridge.weight_sync import WeightSync
-from vllm_video_plugin.refit import RefitClient
-from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
 #: A Qwen2.5-VL shape of about 400 M parameters (24 text layers of width 1024, 16 vision blocks).
 LARGE = dict(

@@ -161,7 +161,7 @@ def run_async(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) 
             checkpointed run's.
         RuntimeError: the collector failed, or vLLM does not serve the restored version.
         rl_bridge.services.process.ServiceError: a server did not start.
-        vllm_video_plugin.refit.RefitError: a refit failed.
+        rl_bridge.refit.client.RefitError: a refit failed.
     """
     recipe.require_hardware()  # before an old run directory is touched
     checkpoint: Path | None = None

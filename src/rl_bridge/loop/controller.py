@@ -38,7 +38,7 @@ from rl_bridge.recipe import Recipe
 from rl_bridge.backends.roles import Roles
 from rl_bridge.loop.tasks import TaskData
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
-from vllm_video_plugin.refit import PauseMode
+from rl_bridge.refit.client import PauseMode
 
 
 def sync_row_order(num_rows: int, seed: int) -> Iterator[int]:
@@ -178,7 +178,7 @@ class Controller:
         from gym_video_env import MediaSettings
         from rl_bridge.megatron.policy import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
-        from vllm_video_plugin.refit import RefitClient
+        from rl_bridge.refit.client import RefitClient
 
         self.recipe = recipe
         self.data = data

@@ -850,13 +850,13 @@ class MegatronPolicy:
         timeout_s: float = 600.0,
     ) -> None:
         """Join the weight-transfer group of the vLLM server at ``base_url`` (again after a
-        restart), through vLLM's weight-transfer API (:mod:`rl_bridge.weight_sync`). Collective:
+        restart), through vLLM's weight-transfer API (:mod:`rl_bridge.refit.sync`). Collective:
         every rank calls it; global rank 0 sends, from the address on its route to the server.
         Each server of a run with several has a group of its own.
         """
         from rl_bridge.services.process import free_port
-        from rl_bridge.weight_sync import WeightSync, sender_address
-        from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+        from rl_bridge.refit.sync import WeightSync, sender_address
+        from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
         old = self._weight_syncs.pop(base_url, None)
         if old is not None:
@@ -882,7 +882,7 @@ class MegatronPolicy:
         ``/start_weight_update``, one ``/update_weights`` per bucket, ``/finish_weight_update``.
         Collective. Returns rank 0's figures (``refit/bytes``, ``refit/buckets``,
         ``refit/transfer_s``, summed over the servers); the caller pauses the server and resets
-        its caches around it (:meth:`vllm_video_plugin.refit.RefitClient.refit_with`)."""
+        its caches around it (:meth:`rl_bridge.refit.client.RefitClient.refit_with`)."""
         if base_url is not None and base_url not in self._weight_syncs:
             raise RuntimeError(f"send_weights_to_vllm({base_url!r}) before connect_vllm({base_url!r})")
         if not self._weight_syncs:

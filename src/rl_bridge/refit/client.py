@@ -40,8 +40,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from vllm_video_plugin import compat
@@ -130,7 +130,7 @@ class RefitClient:
     ) -> RefitResult:
         """Steps 1 and 3-5 of a refit around ``load``, which replaces the weights (step 2): a disk
         reload, or an in-memory transfer through vLLM's weight-transfer API driven by a trainer
-        engine (:mod:`rl_bridge.weight_sync`), whose ``/start_weight_update``,
+        engine (:mod:`rl_bridge.refit.sync`), whose ``/start_weight_update``,
         ``/update_weights`` and ``/finish_weight_update`` calls go through this client.
 
         Raises:

@@ -122,16 +122,19 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
     return shapes
 
 
-def join_group(
-    host: str, port: int, rank: int, world_size: int, *, timeout_s: float
-) -> ProcessGroup:
+def join_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float) -> ProcessGroup:
     """A gloo group of its own (not the process's default group): vLLM's stateless rendezvous,
     rank 0 hosting the store."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     # Before vLLM 0.32 the group takes vLLM's default timeout (compat.stateless_group_kwargs).
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", **compat.stateless_group_kwargs(timedelta(seconds=timeout_s))
+        host,
+        port,
+        rank,
+        world_size,
+        backend="gloo",
+        **compat.stateless_group_kwargs(timedelta(seconds=timeout_s)),
     )
 
 
@@ -157,7 +160,9 @@ def _copy_pending_views(buffer: torch.Tensor) -> None:
                     bound.arguments[key] = value.clone()
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(
+    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+):
     """The worker side of :data:`GLOO_BACKEND` (see the module docstring)."""
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -255,7 +260,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _problem(self, info: GlooWeightTransferUpdateInfo) -> str | None:
         if self.expected is None:
             return None
-        for name, shape in zip(info.names, info.shapes):
+        for name, shape in zip(info.names, info.shapes, strict=True):
             held = self.expected.get(name)
             if held is None:
                 return (
@@ -263,7 +268,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     f"({self.model_config.model}) does not hold"
                 )
             if tuple(shape) != held:
-                return f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, {held} in the served checkpoint"
+                return (
+                    f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, "
+                    f"{held} in the served checkpoint"
+                )
         return None
 
     def finish_weight_update(self) -> None:

@@ -48,6 +48,7 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 """Bytes per bucket unless the recipe says otherwise (``refit.bucket_mb``)."""
 
+
 @dataclass(frozen=True)
 class TransferStats:
     """What one :meth:`GlooTrainerWeightTransferEngine.send_weights` moved."""
@@ -73,13 +74,14 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 600.0
 
 
-# The trainer engines (here and in .legacy_engines) subclass vLLM's TrainerWeightTransferEngine unparameterised: it is
-# generic over (config, init info) before vLLM 0.27 and over the init info from 0.27
-# (compat.trainer_engine_takes_config), and takes the config first in __init__ before 0.27.
+# The trainer engines (here and in .legacy_engines) subclass vLLM's TrainerWeightTransferEngine
+# unparameterised: it is generic over (config, init info) before vLLM 0.27 and over the init info
+# from 0.27 (compat.trainer_engine_takes_config), and takes the config first in __init__ before 0.27.
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """Streams a :class:`WeightSource` to vLLM's :class:`~vllm_video_plugin.refit_receiver.GlooWeightTransferEngine`.
+    """Streams a :class:`WeightSource` to the workers'
+    :class:`~vllm_video_plugin.refit_receiver.GlooWeightTransferEngine`.
 
     Bucketing: tensors are copied, in the source's order, into one reused send buffer of
     ``bucket_bytes`` (a larger tensor is sent alone, from its own memory); a full bucket is
@@ -98,7 +100,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super().__init__(
-            *compat.trainer_engine_config_args(GLOO_BACKEND), client=client, source=source, is_sender=is_sender
+            *compat.trainer_engine_config_args(GLOO_BACKEND),
+            client=client,
+            source=source,
+            is_sender=is_sender,
         )
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -120,7 +125,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         backend is this engine's)."""
         if source is None:
             raise ValueError(f"{GLOO_BACKEND}: the trainer engine needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes
+        )
         if not engine.is_sender:
             return engine
         worker = GlooWeightTransferInitInfo(
@@ -135,7 +142,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             answer = pool.submit(client.init_weight_transfer_engine, asdict(worker))
             try:
                 engine.group = join_group(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size, timeout_s=init_info.timeout_s
+                    init_info.master_address,
+                    init_info.master_port,
+                    0,
+                    init_info.world_size,
+                    timeout_s=init_info.timeout_s,
                 )
             except Exception:
                 if answer.done():
@@ -176,12 +187,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             if answer is not None:
                 answer.result()
         # The empty final call: the workers check that every tensor they hold came.
-        final = GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], offsets=[], nbytes=0, final=True)
+        final = GlooWeightTransferUpdateInfo(
+            names=[], dtype_names=[], shapes=[], offsets=[], nbytes=0, final=True
+        )
         self.client.update_weights(asdict(final))
         self.client.finish_weight_update()
-        self.last = TransferStats(tensors=tensors, bytes=nbytes, buckets=buckets, seconds=time.monotonic() - started)
+        self.last = TransferStats(
+            tensors=tensors, bytes=nbytes, buckets=buckets, seconds=time.monotonic() - started
+        )
 
-    def _buckets(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, BucketLayout]]:
+    def _buckets(
+        self, pairs: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[torch.Tensor, BucketLayout]]:
         """:func:`~vllm_video_plugin.buckets.pack_buckets` into this engine's send buffer (one,
         on the tensors' device, kept across refits: its pages are touched once)."""
 

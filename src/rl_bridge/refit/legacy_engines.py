@@ -34,7 +34,9 @@ __all__ = [
 ]
 
 
-def _all_gather_ipc_handle(handle: dict[str, tuple[Any, ...]], *, is_sender: bool) -> dict[str, tuple[Any, ...]]:
+def _all_gather_ipc_handle(
+    handle: dict[str, tuple[Any, ...]], *, is_sender: bool
+) -> dict[str, tuple[Any, ...]]:
     """Every trainer rank's CUDA IPC handle of its buffer, merged on the sender (GPU UUID ->
     rebuild arguments; each vLLM worker picks the one of its GPU), over the default process group
     as vLLM's ``ipc`` engine does; ``{}`` on the other ranks; this rank's own without a group."""
@@ -86,7 +88,9 @@ class IPCLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def __init__(
         self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True, bucket_bytes: int
     ) -> None:
-        super().__init__(*compat.trainer_engine_config_args("ipc"), client=client, source=source, is_sender=is_sender)
+        super().__init__(
+            *compat.trainer_engine_config_args("ipc"), client=client, source=source, is_sender=is_sender
+        )
         self.bucket_bytes = bucket_bytes
 
     @classmethod
@@ -101,7 +105,10 @@ class IPCLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("ipc: the trainer engine needs a WeightSource")
         engine = cls(
-            client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.packed_buffer_size_bytes
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            bucket_bytes=init_info.packed_buffer_size_bytes,
         )
         if engine.is_sender:
             client.init_weight_transfer_engine(compat.ipc_worker_init_payload(packed=True))
@@ -175,7 +182,9 @@ class NCCLLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         bucket_bytes: int,
         num_buffers: int,
     ) -> None:
-        super().__init__(*compat.trainer_engine_config_args("nccl"), client=client, source=source, is_sender=is_sender)
+        super().__init__(
+            *compat.trainer_engine_config_args("nccl"), client=client, source=source, is_sender=is_sender
+        )
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
         self.group: Any = None
@@ -266,7 +275,9 @@ class NCCLLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.group = None  # the communicator is released with its last reference, as vLLM does
 
 
-def _checked(pairs: Iterator[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked(
+    pairs: Iterator[tuple[str, torch.Tensor]], meta: list[ParamMeta]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's pairs, each checked against the metadata the workers were announced (the
     workers cut their receive buffers from it: a disagreement would hang the broadcast or load
     garbage)."""

@@ -170,7 +170,9 @@ def _trainer_engine(
         # workers pick the one of their GPU). Packed: one bucket-sized buffer per rank.
         if not compat.has_stock_trainer_engine("ipc"):
             return IPCLegacyTrainerWeightTransferEngine.trainer_init(
-                IPCLegacyTrainerInitInfo(rank=rank, packed_buffer_size_bytes=bucket_bytes), client=client, source=source
+                IPCLegacyTrainerInitInfo(rank=rank, packed_buffer_size_bytes=bucket_bytes),
+                client=client,
+                source=source,
             )
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 

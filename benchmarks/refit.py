@@ -38,7 +38,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from rl_bridge.megatron.policy import _write_safetensors, chunk_by_bytes
+from rl_bridge.megatron.hf_export import chunk_by_bytes, write_safetensors
 from rl_bridge.paths import cache_dir
 from rl_bridge.refit.client import RefitClient
 from rl_bridge.refit.sync import WeightSync
@@ -112,7 +112,7 @@ def bench(name: str, overrides: dict[str, Any], *, repeats: int, bucket_mb: int)
             def disk() -> None:
                 target = scratch / f"weights-{next(counter)}"
                 target.mkdir()
-                _write_safetensors(target, chunk_by_bytes(weights.items(), SHARD_BYTES))
+                write_safetensors(target, chunk_by_bytes(weights.items(), SHARD_BYTES))
                 shutil.copy2(other / "config.json", target / "config.json")
                 client.refit(target, version=target.name)
                 shutil.rmtree(target)

@@ -41,7 +41,8 @@ def _launch(
     from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.placement import PolicyRank
     from rl_bridge.backends.policy_ranks import LocalPolicyRanks, RankedPolicy
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, PolicyConfig
+    from rl_bridge.megatron.policy import PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     config = PolicyConfig(learning_rate=1e-3, micro_batch_size=1, distributed_optimizer=distributed_optimizer)
     data_parallel = ranks // pipeline_parallel

@@ -19,7 +19,7 @@ from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.controller import Controller, StepBatch
 from rl_bridge.backends.roles import Roles
 from rl_bridge.megatron.batch import PolicySample
-from rl_bridge.megatron.policy import GRPOPolicyLoss, TrainStepMetrics
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.rollout import RolloutResult
 
 pytestmark = pytest.mark.unit

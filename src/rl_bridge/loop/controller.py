@@ -176,7 +176,7 @@ class Controller:
 
     def __init__(self, recipe: Recipe, data: TaskData, roles: Roles) -> None:
         from gym_video_env import MediaSettings
-        from rl_bridge.megatron.policy import GRPOPolicyLoss
+        from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
         from rl_bridge.refit.client import RefitClient
 

@@ -52,7 +52,8 @@ from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.cpu_support import cpu_execution, single_process_group
 from rl_bridge.megatron.distributed import RankEnvironment, model_parallel_group
-from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig, TrainStepMetrics
+from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.processors.base import ProcessedMedia
 
 __all__ = ["StepObservations", "compare", "data_parallel_share", "main", "observe_step", "synthetic_batch"]

@@ -72,8 +72,8 @@ def _launch(
 @pytest.fixture(scope="module")
 def model_and_batch() -> tuple[Any, list[Any]]:
     """The tiny Qwen2.5-VL and ``tp_check``'s 4-sample video batch for it."""
-    from rl_bridge.megatron.tp_check import synthetic_batch
     from rl_bridge.tiny_models import build_tiny_model
+    from tests.fixtures.tp_check import synthetic_batch
 
     model = build_tiny_model("qwen2_5_vl")
     return model, synthetic_batch(model, num_samples=4)

@@ -38,7 +38,7 @@ def chunk_by_bytes(
     """``pairs`` in order, grouped into chunks of at most ``max_chunk_bytes`` bytes (a larger
     tensor forms a chunk of its own)."""
     if max_chunk_bytes < 1:
-        raise ValueError(f"export_hf_weight_chunks: max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        raise ValueError(f"chunk_by_bytes: max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
     chunk: list[tuple[str, torch.Tensor]] = []
     chunk_bytes = 0
     for name, tensor in pairs:

@@ -465,14 +465,6 @@ class MegatronPolicy:
         """
         yield from self._bridge.export_hf_weights(self._model, cpu=cpu, show_progress=False)
 
-    def export_hf_weight_chunks(self, max_chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """:meth:`export_hf_weights` grouped into chunks of at most ``max_chunk_bytes`` bytes each.
-
-        A tensor larger than ``max_chunk_bytes`` forms a chunk of its own. For senders that ship
-        weights to an inference engine in bounded pieces.
-        """
-        return hf_export.chunk_by_bytes(self.export_hf_weights(), max_chunk_bytes)
-
     def save_hf_checkpoint(self, directory: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Write the current weights as an HF checkpoint directory that vLLM and transformers load.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,9 @@ from rl_bridge.megatron.cpu_support import single_process_group
 from rl_bridge.megatron.fusion import fuse_weight_gradient_accumulation
 from rl_bridge.megatron.multi_tensor import use_foreach_multi_tensor
 from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
-from rl_bridge.megatron.tp_check import observe_step, synthetic_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' parallel check
+from tests.fixtures.tp_check import observe_step, synthetic_batch  # noqa: E402
 
 CONFIGURATIONS = {"neither": (False, False), "foreach": (True, False), "foreach+wgrad": (True, True)}
 

@@ -129,7 +129,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     recipe = yaml.safe_load(RECIPE.read_text())
     shape, count, micro_batch = rank_shape(recipe, args.preset, args.samples)

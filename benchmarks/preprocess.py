@@ -124,7 +124,8 @@ def _policy_step(model_dir: Path, rollouts: list[RolloutInputs]) -> dict[str, fl
 
     from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.megatron.cpu_support import cpu_execution, single_process_group
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     samples = [s for i, r in enumerate(rollouts) for s in r.to_policy_samples(1.0 if i % 2 else -1.0)]
     with cpu_execution(), single_process_group():

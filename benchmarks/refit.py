@@ -38,14 +38,14 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from rl_bridge.megatron.policy import _write_safetensors, chunk_by_bytes
+from rl_bridge.megatron.hf_export import chunk_by_bytes, write_safetensors
 from rl_bridge.paths import cache_dir
+from rl_bridge.refit.client import RefitClient
+from rl_bridge.refit.sync import WeightSync
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
 from rl_bridge.tiny_models import build_tiny_model
-from rl_bridge.weight_sync import WeightSync
-from vllm_video_plugin.refit import RefitClient
-from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
 #: A Qwen2.5-VL shape of about 400 M parameters (24 text layers of width 1024, 16 vision blocks).
 LARGE = dict(
@@ -112,7 +112,7 @@ def bench(name: str, overrides: dict[str, Any], *, repeats: int, bucket_mb: int)
             def disk() -> None:
                 target = scratch / f"weights-{next(counter)}"
                 target.mkdir()
-                _write_safetensors(target, chunk_by_bytes(weights.items(), SHARD_BYTES))
+                write_safetensors(target, chunk_by_bytes(weights.items(), SHARD_BYTES))
                 shutil.copy2(other / "config.json", target / "config.json")
                 client.refit(target, version=target.name)
                 shutil.rmtree(target)

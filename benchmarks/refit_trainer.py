@@ -5,7 +5,7 @@ of a refit that happens in the trainer: :class:`~rl_bridge.megatron.policy.Megat
 streaming its HF-named weights (Megatron-Bridge's export: tensor-parallel shards gathered,
 fused projections split) and packing them into buckets through one kept send buffer
 (:func:`vllm_video_plugin.buckets.pack_buckets`, what
-:class:`~rl_bridge.weight_sync.GlooTrainerWeightTransferEngine` does), as one refit does, without
+:class:`~rl_bridge.refit.engines.GlooTrainerWeightTransferEngine` does), as one refit does, without
 the network (and without vLLM):
 
 - ``export (device)``: the export consumed on the GPU (what vLLM's ``nccl`` engine sends from);

@@ -725,7 +725,8 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     """
     from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.megatron.multi_tensor import using_foreach_multi_tensor
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
     from rl_bridge.megatron.vision_attention import use_segment_batched_vision_attention
 
     full_recompute = args.recompute == "full"

@@ -73,7 +73,7 @@ def register() -> None:
     # factory refuses a taken name (ValueError), which leaves the registered engine in place.
     try:
         WeightTransferEngineFactory.register_engine(
-            "video_grpo_gloo", "vllm_video_plugin.weight_transfer", "GlooWeightTransferEngine"
+            "video_grpo_gloo", "vllm_video_plugin.refit_receiver", "GlooWeightTransferEngine"
         )
     except ValueError:
         pass

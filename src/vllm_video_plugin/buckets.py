@@ -1,6 +1,6 @@
 """Weight buckets: many named tensors in one byte buffer, for in-memory refits.
 
-The wire format of :mod:`vllm_video_plugin.weight_transfer` without vLLM: a trainer packs its
+The wire format of :mod:`vllm_video_plugin.refit_receiver` without vLLM: a trainer packs its
 HF-named tensors, in order, into buffers of at most a bucket size (:func:`pack_buckets`), each
 described by a :class:`BucketLayout` (names, dtypes, shapes, byte offsets); the receiver views the
 same bytes as the same tensors (:func:`unpack_bucket`). Every tensor starts at a multiple of

@@ -180,7 +180,7 @@ def trust_request_mm_kwargs_args(version: str | None = None) -> list[str]:
     return ["--trust-request-mm-kwargs"] if request_mm_kwargs_gated(version) else []
 
 
-# -- Weight transfer: the worker side (vllm_video_plugin.weight_transfer) --------------------------
+# -- Weight transfer: the worker side (vllm_video_plugin.refit_receiver) ---------------------------
 
 
 def worker_engine_declares_trainer_send_weights(version: str | None = None) -> bool:
@@ -197,7 +197,7 @@ def stateless_group_kwargs(timeout: timedelta, version: str | None = None) -> di
     return {"timeout": timeout} if _since(0, 32, version) else {}
 
 
-# -- Weight transfer: the trainer side (rl_bridge.weight_sync) ------------------------------------
+# -- Weight transfer: the trainer side (rl_bridge.refit) -------------------------------------------
 
 
 def trainer_engine_takes_config(version: str | None = None) -> bool:
@@ -216,7 +216,7 @@ def has_stock_trainer_engine(backend: str, version: str | None = None) -> bool:
     ``WeightTransferTrainerFactory``: 0.27 added ``ipc`` (``IPCTrainerInitInfo``), 0.28 ``nccl``
     (``NCCLTrainerInitInfo``). Before, a trainer drives the worker engine's HTTP calls itself
     and sends with the engine's static ``trainer_send_weights`` (this package's
-    ``rl_bridge.weight_sync`` does the same through :func:`ipc_update_payload` and
+    ``rl_bridge.refit`` does the same through :func:`ipc_update_payload` and
     :func:`nccl_update_payload`)."""
     since = _STOCK_TRAINER_ENGINE_SINCE.get(backend)
     return since is not None and _since(*since, version)
@@ -272,7 +272,7 @@ def ipc_update_payload(
     version: str | None = None,
 ) -> dict[str, Any]:
     """One ``/update_weights`` ``update_info`` for the ``ipc`` worker engine (raw
-    ``ipc_handles``; :class:`~vllm_video_plugin.refit.RefitClient` pickles them for HTTP). A
+    ``ipc_handles``; :class:`~rl_bridge.refit.client.RefitClient` pickles them for HTTP). A
     ``tensor_sizes`` list means a packed chunk (one buffer); before 0.27 the update also says
     ``packed`` (see :func:`ipc_worker_init_payload`)."""
     payload: dict[str, Any] = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": ipc_handles}
@@ -335,7 +335,7 @@ def nccl_update_payload(
     return payload
 
 
-# -- Weight versions and the HTTP routes of a server (vllm_video_plugin.refit) --------------------
+# -- Weight versions and the HTTP routes of a server (rl_bridge.refit.client) ----------------------
 
 
 def has_weight_versions(version: str | None = None) -> bool:

@@ -13,7 +13,7 @@ writes. When ``--media-io-kwargs`` selects this package's video loader server-wi
 checked too: it must hold the same contract, and its ``keep_video_bytes`` must suit the processor.
 On a contradiction the loader raises, so the server stops at start-up with one line naming both
 values; the adaptations made are logged. vLLM's
-``reload_weights(weights_path=DIR)`` (refit, see :mod:`vllm_video_plugin.refit`) goes through this
+``reload_weights(weights_path=DIR)`` (refit, see :mod:`rl_bridge.refit.client`) goes through this
 loader too: a trainer-exported directory (safetensors with HF names plus its ``config.json``) is
 checked the same way before its weights replace the served ones.
 

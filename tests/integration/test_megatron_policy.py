@@ -22,7 +22,9 @@ from safetensors import safe_open
 from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
-from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig, TrainStepMetrics
+from rl_bridge.megatron.hf_export import chunk_by_bytes
+from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.processors import ProcessedMedia, load_processor
 from rl_bridge.services.process import free_port
 from vllm_video_plugin.cache import DecodeCache
@@ -343,7 +345,7 @@ def test_exported_weights_have_hf_names_and_the_saved_directory_loads_in_transfo
     assert not unchanged, f"weights not moved by the step: {unchanged}"
 
     max_chunk_bytes = 256 * 1024
-    chunks = list(policy.export_hf_weight_chunks(max_chunk_bytes))
+    chunks = list(chunk_by_bytes(policy.export_hf_weights(), max_chunk_bytes))
     assert len(chunks) > 1 and [name for chunk in chunks for name, _ in chunk] == names
     for chunk in chunks:
         assert len(chunk) == 1 or sum(t.numel() * t.element_size() for _, t in chunk) <= max_chunk_bytes

@@ -1,7 +1,7 @@
 """MegatronPolicy with tensor parallelism 2, with data parallelism 2 and with two pipeline stages, on
 CPU: two gloo ranks under torchrun against one process.
 
-One launch of ``python -m torch.distributed.run --nproc-per-node 2 -m rl_bridge.megatron.tp_check``
+One launch of ``python -m torch.distributed.run --nproc-per-node 2 tests/fixtures/tp_check.py``
 on the tiny Qwen2.5-VL (two key-value heads, so attention splits over two ranks) runs, on the same
 video batch in fp32: logprobs, a GRPO step, logprobs again, ``save_hf_checkpoint`` and a per-rank
 checkpoint save / step / load / repeated step at TP = 2; then the same logprobs, step and export at
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LOGPROB_TOLERANCE = 1e-5
 LEARNING_RATE = 1e-3
+TP_CHECK = Path(__file__).parents[1] / "fixtures" / "tp_check.py"
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,7 @@ def _launch_check(root: Path, model: Path, *extra: str) -> TPRun:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        "-m",
-        "rl_bridge.megatron.tp_check",
+        str(TP_CHECK),
         str(model),
         "--learning-rate",
         str(LEARNING_RATE),

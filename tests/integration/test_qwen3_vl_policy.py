@@ -21,7 +21,8 @@ import torch
 from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import PolicySample
-from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 from rl_bridge.processors import load_processor
 from tests.integration.test_megatron_policy import TRAJECTORIES, hf_logprobs, max_diff
 from vllm_video_plugin.cache import DecodeCache

@@ -22,7 +22,8 @@ import torch
 
 from gym_video_env import MediaSettings
 from rl_bridge.grpo import GRPOLossConfig
-from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 from rl_bridge.policy_inputs import PolicyInputBuilder
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer

@@ -271,7 +271,8 @@ def test_a_tool_output_recorded_with_its_video_trains_as_the_model_server_prompt
     prompting vLLM. The trainer applies the same relocation: the placeholder check passes, every
     turn gets the media vLLM saw, and a Megatron step trains on it."""
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     relocated_record, tool_output, files = _live_conversation(vllm_server, tiny_qwen25vl, make_video, tmp_path)
     output = relocated_record["response"]["output"]

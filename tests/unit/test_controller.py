@@ -22,7 +22,7 @@ from rl_bridge.loop.stages.rollout import verifier_metrics
 from rl_bridge.loop.stages.train import TrainStage
 from rl_bridge.loop.step import Stages
 from rl_bridge.megatron.batch import PolicySample
-from rl_bridge.megatron.policy import GRPOPolicyLoss, TrainStepMetrics
+from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.recipe import load_recipe
 from rl_bridge.rollout import RolloutResult, RolloutStats
 

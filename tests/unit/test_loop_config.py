@@ -163,7 +163,7 @@ def test_in_memory_refits_on_gpus_use_nccl_split_and_cuda_ipc_colocated(
     allowed to unpickle the IPC handles; on CPU this package's gloo engine."""
     from rl_bridge.backends.vllm_servers import vllm_config, weight_transfer_backend
     from rl_bridge.services.vllm_server import server_env
-    from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+    from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract())

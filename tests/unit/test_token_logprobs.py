@@ -100,3 +100,56 @@ def test_entropy_equals_the_naive_entropy_of_the_sampling_distribution(
     torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-5, atol=1e-5)
     single = keep.sum(dim=-1) == 1
     assert torch.all(entropy[single] == 0)
+
+
+# Formerly rl_bridge.grpo.selective_log_softmax's tests: the same oracle and refusals, through
+# token_logprobs (which replaced it) on the positions flattened to rows.
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 9)),
+    vocab=st.integers(2, 50),
+    temperature=st.floats(0.1, 3.0),
+    chunk_tokens=st.integers(1, 8),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_token_logprobs_equal_the_naive_oracle(
+    seed: int, shape: tuple[int, int], vocab: int, temperature: float, chunk_tokens: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, vocab, generator=gen) * 5).to(dtype).requires_grad_()
+    ids = torch.randint(vocab, shape, generator=gen)
+    fast = token_logprobs(
+        logits.reshape(-1, vocab),
+        ids.reshape(-1),
+        vocab_size=vocab,
+        temperature=temperature,
+        max_chunk_elements=chunk_tokens * vocab,
+    ).reshape(ids.shape)
+    naive = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert fast.dtype == torch.float32 and fast.shape == ids.shape
+    torch.testing.assert_close(fast, naive, rtol=1e-5, atol=1e-5)
+    # gradients land in the logits' dtype, where bf16 rounding of two different fp32 paths may
+    # differ by an ulp or two
+    (fast_grad,) = torch.autograd.grad(fast.sum(), logits)
+    (naive_grad,) = torch.autograd.grad(naive.sum(), logits)
+    tolerance = (
+        {"rtol": 1e-5, "atol": 1e-5 / temperature}
+        if dtype == torch.float32
+        else {"rtol": 2e-2, "atol": 1e-3 / temperature}
+    )
+    torch.testing.assert_close(fast_grad.float(), naive_grad.float(), **tolerance)
+
+
+def test_token_logprobs_rejects_bad_inputs_and_handles_empty() -> None:
+    logits = torch.zeros(6, 5)
+    with pytest.raises(ValueError, match="leading shape"):
+        token_logprobs(logits, torch.zeros(8, dtype=torch.long), vocab_size=5)
+    with pytest.raises(ValueError, match="integer"):
+        token_logprobs(logits, torch.zeros(6), vocab_size=5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_logprobs(logits, torch.zeros(6, dtype=torch.long), vocab_size=5, temperature=0.0)
+    empty = token_logprobs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), vocab_size=5)
+    assert empty.shape == (0,)

@@ -21,7 +21,7 @@ from rl_bridge.loop.warm_start import (
     warm_start_batches,
 )
 from rl_bridge.megatron.batch import MediaTokens, collate
-from rl_bridge.megatron.policy import StepCounts
+from rl_bridge.megatron.policy_loss import StepCounts
 
 pytestmark = pytest.mark.unit
 

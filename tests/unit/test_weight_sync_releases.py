@@ -1,9 +1,9 @@
 """The trainer's refit on every supported vLLM release, in the parts that run without a GPU.
 
 On vLLM 0.26 (and 0.27 for ``nccl``) vLLM has no trainer half for its ``ipc`` and ``nccl``
-engines, so :mod:`rl_bridge.weight_sync` drives them itself
-(:class:`~rl_bridge.weight_sync.IPCLegacyTrainerWeightTransferEngine`,
-:class:`~rl_bridge.weight_sync.NCCLLegacyTrainerWeightTransferEngine`). Their data planes need CUDA;
+engines, so :mod:`rl_bridge.refit.sync` drives them itself
+(:class:`~rl_bridge.refit.legacy_engines.IPCLegacyTrainerWeightTransferEngine`,
+:class:`~rl_bridge.refit.legacy_engines.NCCLLegacyTrainerWeightTransferEngine`). Their data planes need CUDA;
 here vLLM's producers are replaced by recorders and the control plane by a fake client, so the
 order of the HTTP calls, their payloads for the release and the rank roles are checked. Against a
 server without weight versions (vLLM 0.26) the refit client keeps the version itself.
@@ -18,16 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from rl_bridge import weight_sync
-from rl_bridge.weight_sync import (
+from rl_bridge.refit import sync
+from rl_bridge.refit.client import RefitClient
+from rl_bridge.refit.legacy_engines import (
     IPCLegacyTrainerInitInfo,
     IPCLegacyTrainerWeightTransferEngine,
     NCCLLegacyTrainerInitInfo,
     NCCLLegacyTrainerWeightTransferEngine,
-    PolicyWeightSource,
 )
+from rl_bridge.refit.sync import PolicyWeightSource
 from vllm_video_plugin import compat
-from vllm_video_plugin.refit import RefitClient
 
 pytestmark = pytest.mark.unit
 
@@ -205,7 +205,7 @@ def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
         "bucket_bytes": 1 << 20,
         "timeout_s": 5.0,
     }
-    engines = {backend: weight_sync._trainer_engine(backend, **common) for backend in ("video_grpo_gloo", "ipc", "nccl")}
+    engines = {backend: sync._trainer_engine(backend, **common) for backend in ("video_grpo_gloo", "ipc", "nccl")}
     if release == "0.26.0":
         assert engines == {"video_grpo_gloo": "stock", "ipc": "ipc-legacy", "nccl": "nccl-legacy"}
     else:

@@ -1,7 +1,7 @@
 """The in-memory refit's wire format and bucketing, and one transfer over a real gloo group.
 
 The bucket layout (:func:`~vllm_video_plugin.buckets.bucket_layout`) and the trainer's
-packing (:class:`~rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`) are pure logic, checked
+packing (:class:`~rl_bridge.refit.engines.GlooTrainerWeightTransferEngine`) are pure logic, checked
 with hypothesis: every tensor comes back bit-exact, in order, aligned, and no bucket is larger
 than the bucket size unless it holds one larger tensor alone. The transfer test runs the
 trainer engine against a receiver (a second gloo rank, on a thread) through the same broadcast and the same
@@ -21,10 +21,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rl_bridge.refit.engines import GlooTrainerWeightTransferEngine
+from rl_bridge.refit.sync import PolicyWeightSource
 from rl_bridge.services.process import free_port
-from rl_bridge.weight_sync import GlooTrainerWeightTransferEngine, PolicyWeightSource
 from vllm_video_plugin.buckets import BUCKET_ALIGNMENT, bucket_layout, unpack_bucket
-from vllm_video_plugin.weight_transfer import GlooWeightTransferUpdateInfo, broadcast, join_group
+from vllm_video_plugin.refit_receiver import GlooWeightTransferUpdateInfo, broadcast, join_group
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 
@@ -132,7 +133,7 @@ def receive(calls: Any, results: Any) -> None:
 
 
 def test_a_transfer_over_gloo_delivers_every_tensor_bit_exact() -> None:
-    from rl_bridge.weight_sync import GlooTrainerInitInfo
+    from rl_bridge.refit.engines import GlooTrainerInitInfo
 
     generator = torch.Generator().manual_seed(0)
     weights = {
@@ -180,7 +181,7 @@ def test_cuda_ipc_handles_reach_vllms_update_info_pickled(monkeypatch: pytest.Mo
     pickled into ``ipc_handles_pickled``, and vLLM's update info decodes the same handles."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from vllm_video_plugin.refit import RefitClient
+    from rl_bridge.refit.client import RefitClient
 
     handles = {"GPU-1234": ("rebuild_cuda_tensor", (7, b"\x00handle", 4096)), "GPU-5678": ("args", (1, 2))}
     update = asdict(

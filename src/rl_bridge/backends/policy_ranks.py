@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rl_bridge.megatron.batch import PolicySample
     from rl_bridge.megatron.distributed import ParallelLayout, RankEnvironment
-    from rl_bridge.megatron.policy import PolicyConfig, PolicyLoss, TrainStepMetrics
+    from rl_bridge.megatron.policy import PolicyConfig
+    from rl_bridge.megatron.policy_loss import PolicyLoss, TrainStepMetrics
     from rl_bridge.placement import PolicyRank
 
 __all__ = [

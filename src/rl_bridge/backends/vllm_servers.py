@@ -97,7 +97,7 @@ def weight_transfer_backend(recipe: Recipe) -> str | None:
         return None
     import torch
 
-    from vllm_video_plugin.weight_transfer import GLOO_BACKEND
+    from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
     if not (recipe.model.policy_gpus and torch.cuda.is_available()):
         return GLOO_BACKEND

@@ -42,7 +42,7 @@ def run_async(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) 
         rl_bridge.loop.rundir.RunDirError, ValueError: see :func:`~rl_bridge.loop.checkpoints.open_run_dir`.
         RuntimeError: the collector failed, or vLLM does not serve the restored version.
         rl_bridge.services.process.ServiceError: a server did not start.
-        vllm_video_plugin.refit.RefitError: a refit failed.
+        rl_bridge.refit.client.RefitError: a refit failed.
     """
     recipe.require_hardware()  # before an old run directory is touched
     run_dir, checkpoint = open_run_dir(recipe, resume=resume, overwrite=overwrite)

@@ -16,7 +16,7 @@ from rl_bridge.loop.stages.train import TrainStage
 from rl_bridge.loop.stages.validate import validate
 from rl_bridge.loop.timing import timed
 from rl_bridge.recipe import Recipe
-from vllm_video_plugin.refit import PauseMode
+from rl_bridge.refit.client import PauseMode
 
 __all__ = ["Stages", "learn"]
 
@@ -40,7 +40,7 @@ class Stages:
         from gym_video_env import MediaSettings
         from rl_bridge.backends.vllm_servers import run_processor
         from rl_bridge.loop.tasks import turn_choices
-        from rl_bridge.megatron.policy import GRPOPolicyLoss
+        from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
         from rl_bridge.structured_outputs import GrammarMasks
 

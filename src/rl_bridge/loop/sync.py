@@ -32,7 +32,7 @@ def run_sync(recipe: Recipe, *, overwrite: bool = False) -> dict[str, Any]:
         rl_bridge.loop.rundir.RunDirError: ``recipe.run_dir`` holds an earlier run (without
             ``overwrite``) or files of no run.
         rl_bridge.services.process.ServiceError: a server did not start.
-        vllm_video_plugin.refit.RefitError: a refit failed.
+        rl_bridge.refit.client.RefitError: a refit failed.
     """
     recipe.require_hardware()  # before an old run directory is touched
     run_dir = new_run_dir(recipe.run_dir, overwrite=overwrite)

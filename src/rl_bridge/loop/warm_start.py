@@ -12,7 +12,7 @@ right). ``warm_start.steps`` gives the policy that starting point inside the run
   action's tokens and the end token; only those are targets, under the masks of the grammar the
   first turn is decoded with (so only the decisions carry loss, as in the rollouts).
 - :class:`SupervisedLoss` is token-mean cross-entropy over the targets, a
-  :class:`~rl_bridge.megatron.policy.PolicyLoss` like GRPO's, so the same policy, optimizer,
+  :class:`~rl_bridge.megatron.policy_loss.PolicyLoss` like GRPO's, so the same policy, optimizer,
   micro-batching and data parallelism run it.
 
 Only first turns are demonstrated, and only for text-only prompts: the later turns (the returned
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rl_bridge.megatron.batch import MicroBatch, PolicySample
-from rl_bridge.megatron.policy import StepCounts
+from rl_bridge.megatron.policy_loss import StepCounts
 from rl_bridge.structured_outputs import GrammarMasks
 
 __all__ = [

@@ -11,8 +11,10 @@ Modules:
 * :mod:`.model`: build the policy from an HF checkpoint (``AutoBridge``) and compute its logits;
 * :mod:`.logprobs`: per-token log-probabilities from (vocabulary-parallel) logits;
 * :mod:`.batch`: policy samples and their collation into right-padded micro-batches;
-* :mod:`.policy`: the trainable policy (logprobs, training step, HF export, checkpoints);
-* :mod:`.tp_check`: a torchrun check that a TP=N policy computes what TP=1 does.
+* :mod:`.policy`: the trainable policy (logprobs, training step) and what it composes:
+  :mod:`.policy_config` (its settings), :mod:`.policy_loss` (the loss interface and step metrics),
+  :mod:`.optimizer` (Megatron's Adam, fused kernels), :mod:`.hf_export` (HF-named weights to
+  safetensors or to vLLM servers) and :mod:`.checkpoint` (training checkpoints and RNG state).
 
 Importing this package imports neither megatron-core nor Megatron-Bridge.
 """

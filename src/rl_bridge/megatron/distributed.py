@@ -22,10 +22,11 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["ParallelLayout", "RankEnvironment", "model_parallel_group"]
+__all__ = ["ParallelLayout", "RankEnvironment", "from_last_stage", "model_parallel_group"]
 
 _BACKENDS = ("nccl", "gloo")
 
@@ -225,3 +226,19 @@ def model_parallel_group(
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def from_last_stage(reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the last pipeline stage's loss functions reported, on every stage of the pipeline (the
+    schedule calls them on the last stage only and returns nothing elsewhere)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return reported
+    box: list[Any] = [reported if parallel_state.is_pipeline_last_stage() else None]
+    torch.distributed.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]

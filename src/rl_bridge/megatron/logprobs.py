@@ -173,7 +173,15 @@ def token_logprobs(
             ``[rank * local_vocab, (rank + 1) * local_vocab)`` of the padded vocabulary.
         targets: ``[rows]`` integer token ids in ``[0, vocab_size)`` (global ids).
         vocab_size: real vocabulary size; padded columns beyond it are ignored.
-        temperature: the sampling temperature the logits are divided by (> 0).
+        temperature: the sampling temperature the logits are divided by (> 0). vLLM's
+            ``--logprobs-mode raw_logprobs`` (its default) reports logprobs of the unscaled
+            logits, ``processed_logprobs`` after temperature (and after top-k/top-p and penalties,
+            which this function does not apply): pass the sampling temperature with
+            ``processed_logprobs`` and 1.0 with ``raw_logprobs``, so the trainer's logprobs are
+            comparable with vLLM's. The GRPO loss's importance weights and mismatch metrics
+            assume vLLM's logprobs are those of the distribution the tokens were sampled from, so
+            sampling at a temperature other than 1 calls for ``processed_logprobs`` (without
+            top-k/top-p) and the same temperature here.
         tp_group: the tensor-parallel group the vocabulary is sharded over; ``None`` (or a group
             of size 1) means ``logits`` hold the whole vocabulary.
         support: ``[K]`` distinct global token ids the softmax runs over (every other column takes
@@ -189,15 +197,17 @@ def token_logprobs(
         ``(logprobs, entropy)``, both ``[rows]`` and differentiable.
 
     Raises:
-        ValueError: mismatched shapes, a non-positive temperature, a target outside the
+        ValueError: mismatched shapes, non-integer targets, a non-positive temperature, a target outside the
             vocabulary, outside ``support`` or not ``allowed`` in its row, or a shard layout that
             does not cover ``vocab_size``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(
-            f"token_logprobs: logits must be [rows, vocab] and targets [rows], "
-            f"got {tuple(logits.shape)} and {tuple(targets.shape)}"
+            f"token_logprobs: logits must be [rows, vocab] and targets [rows] (the leading shape of "
+            f"logits), got {tuple(logits.shape)} and {tuple(targets.shape)}"
         )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"token_logprobs: targets must be an integer tensor, got {targets.dtype}")
     if not temperature > 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < vocab_size):

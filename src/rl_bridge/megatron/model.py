@@ -37,6 +37,7 @@ __all__ = [
     "hf_vocab_size",
     "load_bridge",
     "mrope_section",
+    "vocab_parallel_logits",
 ]
 
 LayerSpec = Literal["auto", "transformer_engine", "local", "local_sdpa"]
@@ -289,6 +290,23 @@ def hf_vocab_size(model: list[MegatronModule]) -> int:
     from megatron.core.utils import get_model_config
 
     return int(get_model_config(model[0]).vocab_size)
+
+
+def vocab_parallel_logits(module: torch.nn.Module) -> bool:
+    """Whether the GPT language model inside ``module`` returns logits sharded over the vocabulary.
+
+    Raises:
+        RuntimeError: ``module`` holds no (or more than one) megatron-core ``GPTModel``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    language_models = [m for m in module.modules() if isinstance(m, GPTModel)]
+    if len(language_models) != 1:
+        raise RuntimeError(
+            f"MegatronPolicy: expected one megatron-core GPTModel in {type(module).__name__}, "
+            f"found {len(language_models)}"
+        )
+    return bool(language_models[0].parallel_output)
 
 
 def forward_logits(

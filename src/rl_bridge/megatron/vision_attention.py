@@ -106,7 +106,7 @@ def segment_attention(
 class _Permute(torch.autograd.Function):
     """The rows of ``x`` in the order of a permutation. Its gradient gathers with the inverse
     permutation: ``index_select``'s own backward scatters with ``index_add_``, atomics meant for
-    repeated indices (on an H200 32 ms of a Qwen2.5-VL-3B train step)."""
+    repeated indices and slow here (benchmarks/README.md)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 from rl_bridge.loop.timing import timed
 from rl_bridge.recipe import Recipe
-from vllm_video_plugin.refit import PauseMode, RefitClient
+from rl_bridge.refit.client import PauseMode, RefitClient
 
 __all__ = ["Refitter"]
 

@@ -1,4 +1,5 @@
-"""In-memory refit on CPU: a vLLM weight-transfer engine over ``torch.distributed`` with gloo.
+"""The receiving end of in-memory refit on CPU: a vLLM worker-side weight-transfer engine over
+``torch.distributed`` with gloo.
 
 vLLM's RL weight-transfer API (``/init_weight_transfer_engine``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``) moves a trainer's weights into the running engine
@@ -9,7 +10,7 @@ with::
     --weight-transfer-config '{"backend": "video_grpo_gloo"}'
 
 (:func:`vllm_video_plugin.register` registers the engine in every vLLM process). The trainer
-side is :class:`rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`.
+side is :class:`rl_bridge.refit.engines.GlooTrainerWeightTransferEngine`.
 
 The wire protocol:
 
@@ -22,8 +23,8 @@ The wire protocol:
   The worker receives the bucket as one ``uint8`` broadcast from rank 0 into a receive buffer it
   keeps (a fresh one per bucket costs its page faults every time) and hands views of it to the
   model's ``load_weights``; views that vLLM's layerwise reload still holds for a layer not yet
-  complete get copies before the buffer is reused. A bucket is at most the trainer's bucket size (a larger tensor travels
-  alone), so neither side holds the model twice.
+  complete get copies before the buffer is reused. A bucket is at most the trainer's bucket size
+  (a larger tensor travels alone), so neither side holds the model twice.
 - **Checks.** Each name and shape is checked against the checkpoint the server loaded (its
   safetensors headers, HF names): a name the server does not hold, or another shape, fails the
   update with both named; the trainer's last call (an empty bucket marked ``final``) fails,
@@ -33,7 +34,7 @@ The wire protocol:
 
 Start and finish run vLLM's layerwise reload (as ``reload_weights`` does), which repacks the
 weights for the CPU kernels. Resetting the prefix, encoder and multimodal caches and stamping the
-weight version stay with the caller (:class:`vllm_video_plugin.refit.RefitClient`).
+weight version stay with the caller (the trainer's ``rl_bridge.refit.client.RefitClient``).
 
 This module imports vLLM and torch; vLLM imports it when the engine is created.
 """
@@ -121,16 +122,19 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
     return shapes
 
 
-def join_group(
-    host: str, port: int, rank: int, world_size: int, *, timeout_s: float
-) -> ProcessGroup:
+def join_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float) -> ProcessGroup:
     """A gloo group of its own (not the process's default group): vLLM's stateless rendezvous,
     rank 0 hosting the store."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     # Before vLLM 0.32 the group takes vLLM's default timeout (compat.stateless_group_kwargs).
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", **compat.stateless_group_kwargs(timedelta(seconds=timeout_s))
+        host,
+        port,
+        rank,
+        world_size,
+        backend="gloo",
+        **compat.stateless_group_kwargs(timedelta(seconds=timeout_s)),
     )
 
 
@@ -156,7 +160,9 @@ def _copy_pending_views(buffer: torch.Tensor) -> None:
                     bound.arguments[key] = value.clone()
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(
+    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+):
     """The worker side of :data:`GLOO_BACKEND` (see the module docstring)."""
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -245,8 +251,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def _receive_buffer(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of one receive buffer kept across buckets and refits (grown when a
-        bucket is larger): a fresh buffer per bucket costs its page faults on every receive,
-        which on CPU made the receive about 4x slower than into memory already touched."""
+        bucket is larger): a fresh buffer per bucket costs its page faults on every receive."""
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -255,7 +260,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _problem(self, info: GlooWeightTransferUpdateInfo) -> str | None:
         if self.expected is None:
             return None
-        for name, shape in zip(info.names, info.shapes):
+        for name, shape in zip(info.names, info.shapes, strict=True):
             held = self.expected.get(name)
             if held is None:
                 return (
@@ -263,7 +268,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     f"({self.model_config.model}) does not hold"
                 )
             if tuple(shape) != held:
-                return f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, {held} in the served checkpoint"
+                return (
+                    f"{GLOO_BACKEND}: {name} has shape {tuple(shape)} from the trainer, "
+                    f"{held} in the served checkpoint"
+                )
         return None
 
     def finish_weight_update(self) -> None:
@@ -287,10 +295,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-        """Not used: the trainer's half is :class:`rl_bridge.weight_sync.GlooTrainerWeightTransferEngine`.
+        """Not used: the trainer's half is :class:`rl_bridge.refit.engines.GlooTrainerWeightTransferEngine`.
         vLLM before 0.28 declares this abstract on every worker engine
         (:func:`~vllm_video_plugin.compat.worker_engine_declares_trainer_send_weights`), so the
         class must define it to be created there."""
         raise NotImplementedError(
-            f"{GLOO_BACKEND}: send with rl_bridge.weight_sync.GlooTrainerWeightTransferEngine"
+            f"{GLOO_BACKEND}: send with rl_bridge.refit.engines.GlooTrainerWeightTransferEngine"
         )

@@ -40,8 +40,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from vllm_video_plugin import compat
@@ -126,11 +126,16 @@ class RefitClient:
         return self.refit_with(reload, version=version, pause_mode=pause_mode, source=path)
 
     def refit_with(
-        self, load: Callable[[], object], *, version: str, pause_mode: PauseMode = "wait", source: str = "memory"
+        self,
+        load: Callable[[], object],
+        *,
+        version: str,
+        pause_mode: PauseMode = "wait",
+        source: str = "memory",
     ) -> RefitResult:
         """Steps 1 and 3-5 of a refit around ``load``, which replaces the weights (step 2): a disk
         reload, or an in-memory transfer through vLLM's weight-transfer API driven by a trainer
-        engine (:mod:`rl_bridge.weight_sync`), whose ``/start_weight_update``,
+        engine (:mod:`rl_bridge.refit.sync`), whose ``/start_weight_update``,
         ``/update_weights`` and ``/finish_weight_update`` calls go through this client.
 
         Raises:
@@ -169,7 +174,9 @@ class RefitClient:
         if served != version:
             raise RefitError(f"after the refit the server reports weight version {served!r}, not {version!r}")
         kept_by = "server" if self.server_keeps_versions() else "client"
-        return RefitResult(weight_version=served, weights_path=source, paused_s=paused_s, version_kept_by=kept_by)
+        return RefitResult(
+            weight_version=served, weights_path=source, paused_s=paused_s, version_kept_by=kept_by
+        )
 
     def server_version(self) -> str | None:
         """The server's vLLM release (``GET /version``, read once; a restart keeps the release),

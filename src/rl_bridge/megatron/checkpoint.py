@@ -1,0 +1,121 @@
+"""Training checkpoints of a :class:`~rl_bridge.megatron.policy.MegatronPolicy`: model, optimizer,
+step counter and RNG state, per rank, so that training resumes exactly.
+
+Each rank writes ``rank_<global rank>.pt`` (``torch.save`` of its state dicts: under tensor
+parallelism its shards of the weights and optimizer state, and its own RNG states); rank 0 then
+writes ``meta.json`` with the step, world size and tensor-parallel size, last, so a checkpoint
+whose save was interrupted has no ``meta.json`` and is refused on load. Resuming needs the same
+parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rl_bridge.megatron.cpu_support import cpu_support_needed
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+_CHECKPOINT_FORMAT = 1
+_CHECKPOINT_META = "meta.json"
+
+
+def save_checkpoint(
+    directory: str | Path, *, module: torch.nn.Module, optimizer: MegatronOptimizer, step: int
+) -> Path:
+    """Save ``module``'s and ``optimizer``'s state, ``step`` and the RNG state to ``directory``
+    (created if needed). Collective."""
+    from megatron.core import parallel_state
+
+    target = Path(directory)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / _CHECKPOINT_META).unlink(missing_ok=True)
+    torch.distributed.barrier()
+    target.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "rng": _rng_state(),
+    }
+    torch.save(state, target / f"rank_{rank:05d}.pt")
+    torch.distributed.barrier()
+    if rank == 0:
+        meta = {
+            "format": _CHECKPOINT_FORMAT,
+            "step": step,
+            "world_size": torch.distributed.get_world_size(),
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        }
+        (target / _CHECKPOINT_META).write_text(json.dumps(meta))
+    torch.distributed.barrier()
+    return target
+
+
+def load_checkpoint(directory: str | Path, *, module: torch.nn.Module, optimizer: MegatronOptimizer) -> int:
+    """Restore what :func:`save_checkpoint` wrote into ``module``, ``optimizer`` and the RNG;
+    returns the saved step.
+
+    Raises:
+        FileNotFoundError: ``directory`` has no complete checkpoint (no ``meta.json`` or no
+            file for this rank).
+        ValueError: the checkpoint was written with another format, world size or
+            tensor-parallel size.
+    """
+    from megatron.core import parallel_state
+
+    source = Path(directory)
+    meta_path = source / _CHECKPOINT_META
+    rank_path = source / f"rank_{torch.distributed.get_rank():05d}.pt"
+    if not meta_path.is_file() or not rank_path.is_file():
+        raise FileNotFoundError(
+            f"load_checkpoint: {source} has no complete checkpoint ({meta_path.name}, {rank_path.name})"
+        )
+    meta = json.loads(meta_path.read_text())
+    expected = {
+        "format": _CHECKPOINT_FORMAT,
+        "world_size": torch.distributed.get_world_size(),
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+    }
+    found = {name: meta.get(name) for name in expected}
+    if found != expected:
+        raise ValueError(f"load_checkpoint: {source} has {found}; this run expects {expected}")
+    state = torch.load(rank_path, map_location="cpu", weights_only=True)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def _rng_state() -> dict[str, Any]:
+    """The random states a training step draws from.
+
+    Torch's CPU generator, and with CUDA also torch's CUDA generator and Megatron's
+    model-parallel CUDA RNG tracker (dropout inside tensor-parallel regions).
+    """
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if not cpu_support_needed():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and not cpu_support_needed():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -407,7 +407,10 @@ def video_last_segment_rows(
     for colour in (*SATURATED_COLOURS, "black"):
         frame = solid_frame(colour, width=config.width, height=config.height)
         written = write_video(
-            out_dir / f"{colour}{config.suffix}", [frame] * config.num_frames, fps=config.fps, codec=config.codec
+            out_dir / f"{colour}{config.suffix}",
+            [frame] * config.num_frames,
+            fps=config.fps,
+            codec=config.codec,
         )
         clips[colour] = f"{subdir}/{written.path.name}"
         if stills:
@@ -435,9 +438,7 @@ def video_last_segment_rows(
         ]
         colours = [*earlier, answer]
         shown_colours = [c if k == 0 or later_clips == "shown" else "black" for k, c in enumerate(colours)]
-        shown = [
-            (still_frames if k + 1 in stills else clips)[c] for k, c in enumerate(shown_colours)
-        ]
+        shown = [(still_frames if k + 1 in stills else clips)[c] for k, c in enumerate(shown_colours)]
         rows.append(
             {
                 "responses_create_params": _segments_request(prompt, num_segments),
@@ -454,7 +455,8 @@ def video_last_segment_rows(
 def segment_tool_output(segments: Sequence[str], segment: int) -> list[dict[str, Any]]:
     """The content parts ``watch_segment`` returns for ``segment`` (1-based): a caption and the clip,
     or the still frame when the segment's reference is an image (a file with an image suffix,
-    ``.png``, ``.jpg``..., or a ``data:image/`` URL): an ``input_image`` part then.
+    ``.png``, ``.jpg``..., or a ``data:image/`` URL): an ``input_image`` part then, with the
+    ``detail`` that Gym's response schema (OpenAI's) requires of image parts.
 
     Raises:
         ValueError: ``segment`` is not between 1 and ``len(segments)``.
@@ -463,7 +465,7 @@ def segment_tool_output(segments: Sequence[str], segment: int) -> list[dict[str,
         raise ValueError(f"segment must be between 1 and {len(segments)}, got {segment}")
     reference = segments[segment - 1]
     media = (
-        {"type": "input_image", "image_url": reference}
+        {"type": "input_image", "image_url": reference, "detail": "auto"}
         if _is_image(reference)
         else {"type": "input_video", "video_url": reference}
     )

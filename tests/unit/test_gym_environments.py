@@ -183,7 +183,7 @@ def test_still_segments_are_returned_as_images_of_the_frame_their_clip_repeats(t
             assert image.shape == first.shape and classify_colour(image) == _clip_colour(clip)
         parts = [segment_tool_output(b["segments"], k)[1] for k in (1, 2, 3)]
         assert [part["type"] for part in parts] == ["input_image", "input_video", "input_image"]
-        assert parts[0] == {"type": "input_image", "image_url": b["segments"][0]}
+        assert parts[0] == {"type": "input_image", "image_url": b["segments"][0], "detail": "auto"}
     with pytest.raises(ValueError, match="still_segments must be segment numbers between 1 and 2"):
         video_last_segment_rows(tmp_path, 1, seed=0, num_options=4, still_segments=(3,))
 
@@ -250,8 +250,10 @@ def test_segment_tool_output_is_a_caption_and_the_clip() -> None:
 )
 def test_segment_tool_output_returns_a_still_as_an_image(reference: str, part_type: str) -> None:
     (_, part) = segment_tool_output([reference], 1)
-    key = "image_url" if part_type == "input_image" else "video_url"
-    assert part == {"type": part_type, key: reference}
+    if part_type == "input_image":  # Gym's response schema requires an image part's detail
+        assert part == {"type": part_type, "image_url": reference, "detail": "auto"}
+    else:
+        assert part == {"type": part_type, "video_url": reference}
 
 
 def test_row_generators_reject_bad_arguments(tmp_path: Path) -> None:

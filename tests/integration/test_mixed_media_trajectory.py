@@ -76,6 +76,9 @@ def mixed(
             seed=seed,
             num_options=len(LETTERS),
             config=config,
+            # Segment 1 shows a colour that is no option, the last segment an option's: the two
+            # rows' stills (segment 1 of one, segment 2 of the other) differ in colour.
+            earlier_colours="non_option",
             still_segments=stills,
             subdir="mixed_media",
         )
@@ -158,7 +161,8 @@ def test_one_megatron_step_on_image_and_video_turns(
             differences.append((logprobs - sample.behaviour_logprobs)[sample.target_mask].abs().max().item())
         return differences
 
-    assert max(vllm_difference(samples)) <= MISMATCH_TOLERANCE, vllm_difference(samples)
+    differences = vllm_difference(samples)
+    assert max(differences) <= MISMATCH_TOLERANCE, f"max |Megatron - vLLM| token logprob {differences}"
     # The comparison sees the stills' pixels: with the two samples' stills (of different colours,
     # the same shape) swapped, the placeholders still match, and the logprobs no longer do.
     stills = [next(item for item in sample.media if item.kind == "image") for sample in samples]
@@ -169,7 +173,8 @@ def test_one_megatron_step_on_image_and_video_turns(
         )
         for sample, other in zip(samples, reversed(stills), strict=True)
     ]
-    assert max(vllm_difference(swapped)) > MISMATCH_TOLERANCE, vllm_difference(swapped)
+    differences = vllm_difference(swapped)
+    assert max(differences) > MISMATCH_TOLERANCE, f"swapped stills, logprob differences {differences}"
     old = policy.logprobs(samples)
 
     # Every call of the vision tower in the step: its input rows and the gradient its output got.

@@ -67,7 +67,9 @@ def mixed(
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
     allowed = [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]
-    config = ClipConfig(width=56, height=56, num_frames=8, fps=4.0)
+    # The multi-turn recipe's clip size: at 56 x 56 the session's vLLM and the trainer disagree on
+    # a clip's logprobs by close to the tolerance, wherever the clip is (a separate issue).
+    config = ClipConfig(width=112, height=112, num_frames=8, fps=4.0)
     results = []
     for seed, stills in enumerate(ORDERS):
         (row,) = video_last_segment_rows(

@@ -8,7 +8,9 @@ Two environments, each a Gym resources server shipped with this package:
   the tool ``watch_segment`` and the environment returns that segment's clip; the question needs
   every segment (:func:`video_segments_rows`), or names one of them
   (:func:`video_segment_question_rows`: the model must choose which segment to watch, and when to
-  stop watching). Graded like ``video_mcqa``.
+  stop watching). Graded like ``video_mcqa``. A segment may be a still frame instead of a clip
+  (``still_segments`` of :func:`video_last_segment_rows`): the environment then returns an image
+  in that turn and clips in the others, so one trajectory holds both kinds of media.
 
 Rows are Gym dataset rows: ``responses_create_params`` (the request) plus the verifier's fields.
 Clips are written under the media root and referenced by their path relative to it, as a
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import numpy as np
+from PIL import Image
 
 from gym_video_env.grading import BOXED_INSTRUCTION
 from gym_video_env.synthetic import SATURATED_COLOURS, TASKS, ClipConfig, TaskName, make_task_clip
@@ -52,6 +55,8 @@ _SEGMENTS_STREAM: Final = 101
 _SEGMENT_QUESTION_STREAM: Final = 102
 _SAME_COLOUR_STREAM: Final = 103
 _LAST_SEGMENT_STREAM: Final = 104
+# A segment reference with one of these suffixes (or a data:image/ URL) is a still frame.
+_IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 def mcqa_row(
@@ -338,6 +343,7 @@ def video_last_segment_rows(
     config: ClipConfig | None = None,
     later_clips: Literal["shown", "blank"] = "shown",
     earlier_colours: Literal["any", "non_option"] = "any",
+    still_segments: Collection[int] = (),
     subdir: str = "video_last_segment",
 ) -> list[dict[str, Any]]:
     """``n`` rows asking the colour of the last of ``num_segments`` segments the prompt does not show.
@@ -360,9 +366,18 @@ def video_last_segment_rows(
     in segment order, as the environment returns them), ``segment_colours`` (what each segment
     shows before any blanking), ``options`` and ``answer``.
 
+    ``still_segments``: segment numbers (1-based) that the environment returns as a still frame
+    (an ``input_image``: a PNG of the frame the segment's clip repeats, written under
+    ``media_root/subdir``) instead of the clip; the others stay clips. ``(1,)`` with two segments:
+    an image in the first observed turn and a video in the next; ``(2,)``: the reverse. Such a
+    trajectory needs a vLLM that takes images (``--limit-mm-per-prompt`` with ``image`` >= the
+    number of stills) and trains with ``pixel_values`` for the stills and
+    ``pixel_values_videos`` for the clips.
+
     Raises:
-        ValueError: ``n < 1``, fewer than 2 or more segments than colours, or ``num_options``
-            outside ``[2, number of colours]`` (``earlier_colours="non_option"``: below it).
+        ValueError: ``n < 1``, fewer than 2 or more segments than colours, ``num_options``
+            outside ``[2, number of colours]`` (``earlier_colours="non_option"``: below it), or a
+            still segment outside ``[1, num_segments]``.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1 row, got {n}")
@@ -379,16 +394,28 @@ def video_last_segment_rows(
             f"earlier_colours='non_option' needs num_options below {len(SATURATED_COLOURS)} (a colour "
             f"that is no option), got {num_options}"
         )
+    stills = set(still_segments)
+    if not stills <= set(range(1, num_segments + 1)):
+        raise ValueError(
+            f"still_segments must be segment numbers between 1 and {num_segments}, got {sorted(stills)}"
+        )
     config = config or ClipConfig()
     out_dir = Path(media_root) / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
     clips: dict[str, str] = {}
+    still_frames: dict[str, str] = {}
     for colour in (*SATURATED_COLOURS, "black"):
-        frames = [solid_frame(colour, width=config.width, height=config.height)] * config.num_frames
+        frame = solid_frame(colour, width=config.width, height=config.height)
         written = write_video(
-            out_dir / f"{colour}{config.suffix}", frames, fps=config.fps, codec=config.codec
+            out_dir / f"{colour}{config.suffix}",
+            [frame] * config.num_frames,
+            fps=config.fps,
+            codec=config.codec,
         )
         clips[colour] = f"{subdir}/{written.path.name}"
+        if stills:
+            Image.fromarray(frame).save(out_dir / f"{colour}.png")
+            still_frames[colour] = f"{subdir}/{colour}.png"
     texts = sorted(SATURATED_COLOURS[:num_options])
     letters = _LETTERS[: len(texts)]
     options = dict(zip(letters, texts, strict=True))
@@ -410,9 +437,8 @@ def video_last_segment_rows(
             for i in rng.choice(len(others), num_segments - 1, replace=num_segments - 1 > len(others))
         ]
         colours = [*earlier, answer]
-        shown = [
-            clips[c] if k == 0 or later_clips == "shown" else clips["black"] for k, c in enumerate(colours)
-        ]
+        shown_colours = [c if k == 0 or later_clips == "shown" else "black" for k, c in enumerate(colours)]
+        shown = [(still_frames if k + 1 in stills else clips)[c] for k, c in enumerate(shown_colours)]
         rows.append(
             {
                 "responses_create_params": _segments_request(prompt, num_segments),
@@ -427,17 +453,30 @@ def video_last_segment_rows(
 
 
 def segment_tool_output(segments: Sequence[str], segment: int) -> list[dict[str, Any]]:
-    """The content parts ``watch_segment`` returns for ``segment`` (1-based): a caption and the clip.
+    """The content parts ``watch_segment`` returns for ``segment`` (1-based): a caption and the clip,
+    or the still frame when the segment's reference is an image (a file with an image suffix,
+    ``.png``, ``.jpg``..., or a ``data:image/`` URL): an ``input_image`` part then, with the
+    ``detail`` that Gym's response schema (OpenAI's) requires of image parts.
 
     Raises:
         ValueError: ``segment`` is not between 1 and ``len(segments)``.
     """
     if not 1 <= segment <= len(segments):
         raise ValueError(f"segment must be between 1 and {len(segments)}, got {segment}")
-    return [
-        {"type": "input_text", "text": f"Segment {segment} of {len(segments)}:"},
-        {"type": "input_video", "video_url": segments[segment - 1]},
-    ]
+    reference = segments[segment - 1]
+    media = (
+        {"type": "input_image", "image_url": reference, "detail": "auto"}
+        if _is_image(reference)
+        else {"type": "input_video", "video_url": reference}
+    )
+    return [{"type": "input_text", "text": f"Segment {segment} of {len(segments)}:"}, media]
+
+
+def _is_image(reference: str) -> bool:
+    if reference[:11].lower() == "data:image/":
+        return True
+    path = reference.split("?", 1)[0].split("#", 1)[0]
+    return path.lower().endswith(_IMAGE_SUFFIXES)
 
 
 def _sequence_options(

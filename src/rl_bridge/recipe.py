@@ -319,6 +319,11 @@ class TaskSection(_Section):
     """``segments`` with ``segments_question: last``: ``"blank"`` (the control) makes the
     environment return a black clip for every segment after the first, in training and held-out
     rows: the answer is then in no clip the model sees."""
+    still_segments: list[int] = Field(default_factory=list)
+    """``segments`` with ``segments_question: last``: segment numbers (1-based) that the environment
+    returns as a still frame (an image of the frame the clip repeats) instead of the clip, e.g.
+    ``[1]``: an image in the first observed turn, a video in the next, so a trajectory trains with
+    both kinds of media; vLLM is started to take that many images per prompt."""
     shown_segment_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """``agentic``: fraction of the training rows whose prompt already shows the named segment's
     clip (answerable without a call, where a call only costs): perception data mixed in, so a
@@ -363,7 +368,12 @@ class TaskSection(_Section):
         """Most videos one model call is prompted with (all the clips a trajectory collects)."""
         if self.environment == "agentic":  # each segment once, and the prompt's clip
             return self.num_segments + (1 if self.shown_segment_fraction else 0)
-        return self.num_segments if self.environment == "segments" else 1
+        return self.num_segments - len(self.still_segments) if self.environment == "segments" else 1
+
+    @property
+    def images_per_prompt(self) -> int:
+        """Most images one model call is prompted with (the still segments a trajectory collects)."""
+        return len(self.still_segments)
 
     @property
     def max_model_calls(self) -> int:
@@ -395,6 +405,15 @@ class TaskSection(_Section):
             )
         if self.segments_question == "last" and self.num_segments < 2:
             raise ValueError("task.segments_question='last' needs task.num_segments >= 2 (a later clip)")
+        if self.still_segments and self.segments_question != "last":
+            raise ValueError("task.still_segments applies to task.segments_question='last' only")
+        if len(set(self.still_segments)) != len(self.still_segments) or not set(self.still_segments) <= set(
+            range(1, self.num_segments + 1)
+        ):
+            raise ValueError(
+                f"task.still_segments must be distinct segment numbers between 1 and "
+                f"task.num_segments={self.num_segments}, got {self.still_segments}"
+            )
         agentic_only = ("tool_call_cost", "shown_segment_fraction", "same_colour_fraction")
         if any(getattr(self, name) for name in agentic_only) and self.environment != "agentic":
             raise ValueError(
@@ -733,10 +752,12 @@ class Recipe(_Section):
         task = self.task
         per_clip = -(-task.num_frames // temporal) * -(-task.width // side) * -(-task.height // side)
         turns = task.max_model_calls
-        needed = task.videos_per_prompt * per_clip + turns * self.rollout.max_output_tokens
+        # A still frame takes at most a clip's tokens (one frame of it): counted as a clip.
+        clips = task.videos_per_prompt + task.images_per_prompt
+        needed = clips * per_clip + turns * self.rollout.max_output_tokens
         if needed > self.model.max_model_len:
             raise ValueError(
-                f"a trajectory needs up to {needed} tokens ({task.videos_per_prompt} clip(s) of "
+                f"a trajectory needs up to {needed} tokens ({clips} clip(s) of "
                 f"{task.num_frames} frames at {task.width}x{task.height}, about {per_clip} "
                 f"{self.model.family} video tokens each, plus the answers), over "
                 f"model.max_model_len={self.model.max_model_len}"

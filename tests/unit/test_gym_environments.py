@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
+from PIL import Image
 
 from gym_video_env.environments import (
     read_rows_jsonl,
@@ -164,6 +166,28 @@ def test_earlier_segments_can_show_only_colours_that_are_no_option(tmp_path: Pat
         video_last_segment_rows(tmp_path, 1, seed=0, num_options=6, earlier_colours="non_option")
 
 
+def test_still_segments_are_returned_as_images_of_the_frame_their_clip_repeats(tmp_path: Path) -> None:
+    clips = video_last_segment_rows(tmp_path / "clips", 6, seed=5, num_segments=3, num_options=4)
+    mixed = video_last_segment_rows(
+        tmp_path / "mixed", 6, seed=5, num_segments=3, num_options=4, still_segments=(1, 3)
+    )
+    for a, b in zip(clips, mixed, strict=True):
+        assert (a["answer"], a["segment_colours"]) == (b["answer"], b["segment_colours"])
+        assert b["segments"][1] == a["segments"][1] and b["segments"][1].endswith(".mp4")
+        for k in (0, 2):
+            still, clip = tmp_path / "mixed" / b["segments"][k], tmp_path / "clips" / a["segments"][k]
+            assert still.suffix == ".png"
+            with av.open(clip) as container:
+                first = next(container.decode(video=0)).to_ndarray(format="rgb24")
+            image = np.asarray(Image.open(still).convert("RGB"))
+            assert image.shape == first.shape and classify_colour(image) == _clip_colour(clip)
+        parts = [segment_tool_output(b["segments"], k)[1] for k in (1, 2, 3)]
+        assert [part["type"] for part in parts] == ["input_image", "input_video", "input_image"]
+        assert parts[0] == {"type": "input_image", "image_url": b["segments"][0], "detail": "auto"}
+    with pytest.raises(ValueError, match="still_segments must be segment numbers between 1 and 2"):
+        video_last_segment_rows(tmp_path, 1, seed=0, num_options=4, still_segments=(3,))
+
+
 def test_a_shown_fraction_of_segment_questions_carries_the_named_clip(tmp_path: Path) -> None:
     rows = video_segment_question_rows(tmp_path, 40, seed=4, shown_fraction=0.5)
     shown = [row for row in rows if row["shown_segment"] is not None]
@@ -211,6 +235,25 @@ def test_segment_tool_output_is_a_caption_and_the_clip() -> None:
     ]
     with pytest.raises(ValueError, match="segment must be between 1 and 2, got 3"):
         segment_tool_output(["s/1.mp4", "s/2.mp4"], 3)
+
+
+@pytest.mark.parametrize(
+    ("reference", "part_type"),
+    [
+        ("s/1.PNG", "input_image"),
+        ("file:///m/s/1.jpg?v=2", "input_image"),
+        ("data:image/png;base64,AAAA", "input_image"),
+        ("s/1.mp4", "input_video"),
+        ("s/png.webm", "input_video"),
+        ("data:video/mp4;base64,AAAA", "input_video"),
+    ],
+)
+def test_segment_tool_output_returns_a_still_as_an_image(reference: str, part_type: str) -> None:
+    (_, part) = segment_tool_output([reference], 1)
+    if part_type == "input_image":  # Gym's response schema requires an image part's detail
+        assert part == {"type": part_type, "image_url": reference, "detail": "auto"}
+    else:
+        assert part == {"type": part_type, "video_url": reference}
 
 
 def test_row_generators_reject_bad_arguments(tmp_path: Path) -> None:

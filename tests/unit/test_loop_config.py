@@ -238,3 +238,25 @@ def test_a_nemotron_recipe_needs_a_video_contract() -> None:
     assert recipe.model.video_contract is not None and recipe.model.video_contract.num_frames == 32
     with pytest.raises(pydantic.ValidationError, match="needs model.video_contract"):
         load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml", ["model.video_contract=null"])
+
+
+def test_still_segments_reach_the_rows_and_vllm_s_image_limit(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    """``task.still_segments``: those segments come back as images, and the loop's vLLM takes that
+    many images per prompt (none otherwise) and the remaining clips as videos."""
+    from rl_bridge.backends.roles import vllm_config
+    from rl_bridge.loop.tasks import task_rows
+
+    multiturn = project_root() / "recipes" / "tiny_cpu_multiturn.yaml"
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    assert vllm_config(load_recipe(multiturn), data).limit_mm_per_prompt == {"image": 0, "video": 2}
+    recipe = load_recipe(multiturn, ["task.still_segments=[1]"])
+    assert (recipe.task.images_per_prompt, recipe.task.videos_per_prompt) == (1, 1)
+    assert vllm_config(recipe, data).limit_mm_per_prompt == {"image": 1, "video": 1}
+    (row,) = task_rows(recipe.task, tmp_path, 1, seed=0, subdir="s")
+    assert [Path(segment).suffix for segment in row["segments"]] == [".png", ".mp4"]
+    with pytest.raises(pydantic.ValidationError, match="between 1 and task.num_segments=2, got \\[3\\]"):
+        load_recipe(multiturn, ["task.still_segments=[3]"])
+    with pytest.raises(pydantic.ValidationError, match="distinct segment numbers"):
+        load_recipe(multiturn, ["task.still_segments=[1, 1]"])
+    with pytest.raises(pydantic.ValidationError, match="still_segments applies to task.segments_question"):
+        load_recipe(None, ["task.still_segments=[1]"])

@@ -6,7 +6,9 @@ returns segment ``k``'s clip as content parts (a caption and an ``input_video`` 
 message that follows it, so the next model turn sees the clip. When the model answers without
 calling the tool, the agent asks ``/next_segment`` (its ``observation_route``), which returns the
 first segment not yet seen (or nothing once all were seen), so every trajectory gets to see every
-segment: several clips per trajectory, returned by the environment in later turns.
+segment: several clips per trajectory, returned by the environment in later turns. A segment whose
+reference is an image (``still_segments`` rows) comes back as an ``input_image`` still frame
+instead, so a trajectory can hold an image in one turn and a video in another.
 
 Rows (see :func:`gym_video_env.environments.video_segments_rows` and
 :func:`~gym_video_env.environments.video_segment_question_rows`) carry ``segments`` (clip

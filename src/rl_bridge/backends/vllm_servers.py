@@ -53,7 +53,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         dev_mode=True,
         seed=recipe.seed,
         allowed_local_media_path=data.media_root,
-        limit_mm_per_prompt={"image": 0, "video": recipe.task.videos_per_prompt},
+        limit_mm_per_prompt={"image": recipe.task.images_per_prompt, "video": recipe.task.videos_per_prompt},
         media_io_kwargs={"video": contract.to_media_io_kwargs()},
         logprobs_mode="processed_logprobs",
         tool_call_parser=model.tool_parser if recipe.task.environment == "agentic" else None,

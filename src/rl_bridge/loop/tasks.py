@@ -234,6 +234,7 @@ def _segments_rows(
             config=_clip_config(task),
             later_clips=task.later_clips,
             earlier_colours=task.earlier_colours,
+            still_segments=task.still_segments,
             subdir=subdir,
         )
     else:

@@ -106,7 +106,7 @@ def _video_tokens_per_sample(recipe: Recipe) -> int:
     side, temporal = recipe.model.video_token_geometry
     task = recipe.task
     per_clip = -(-task.num_frames // temporal) * -(-task.width // side) * -(-task.height // side)
-    return task.videos_per_prompt * per_clip
+    return (task.videos_per_prompt + task.images_per_prompt) * per_clip  # a still as a clip, at most
 
 
 def _tokens_per_sample(recipe: Recipe) -> int:

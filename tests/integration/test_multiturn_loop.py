@@ -67,6 +67,7 @@ def test_every_turn_of_every_sample_passes_the_placeholder_check(run: TrainedRun
         assert record["preprocess/media/placeholder_turns_passed"] == ROWS * (SEGMENTS + 1)
         # Both clips, each returned by the environment in a later turn, reach the trainer.
         assert record["preprocess/media/videos_per_sample"] == SEGMENTS
+        assert record["preprocess/media/images_per_sample"] == 0.0  # clips only: no still segments
 
 
 def test_every_row_is_accounted_for(run: TrainedRun) -> None:

@@ -24,6 +24,7 @@ __all__ = ["SyncCollector", "collected_metrics", "preprocess_groups", "sync_row_
 
 _PER_SAMPLE = (
     "preprocess/media/videos_per_sample",
+    "preprocess/media/images_per_sample",
     "preprocess/tool_calls_per_sample",
     "preprocess/turns_per_sample",
     "preprocess/trained_turns_per_sample",

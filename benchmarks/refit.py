@@ -42,8 +42,8 @@ from rl_bridge.megatron.policy import _write_safetensors, chunk_by_bytes
 from rl_bridge.paths import cache_dir
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
-from rl_bridge.tiny_models import build_tiny_model
 from rl_bridge.weight_sync import WeightSync
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin.refit import RefitClient
 from vllm_video_plugin.weight_transfer import GLOO_BACKEND
 

@@ -25,9 +25,9 @@ import requests
 
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer
-from rl_bridge.tiny_models import build_tiny_model
 from rl_bridge.weight_sync import WeightSync
 from tests.fixtures.vllm import QWEN25VL_CONTRACT
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin import compat
 from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 from vllm_video_plugin.refit import RefitClient, RefitError
@@ -208,9 +208,8 @@ def test_in_memory_refit_equals_the_disk_refit_and_restores_exactly(
 def test_in_memory_refit_refuses_a_tensor_vllm_does_not_hold_naming_it(
     server: VLLMServer, exports: dict[str, Path], sample_video: Path, fault: str
 ) -> None:
-    from safetensors.torch import load_file
-
     import torch
+    from safetensors.torch import load_file
 
     weights = load_file(str(exports["seed0"] / "model.safetensors"))
     victim = next(name for name in weights if name.startswith("visual.") and name.endswith(".weight"))

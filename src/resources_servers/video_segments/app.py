@@ -8,8 +8,8 @@ calling the tool, the agent asks ``/next_segment`` (its ``observation_route``), 
 first segment not yet seen (or nothing once all were seen), so every trajectory gets to see every
 segment: several clips per trajectory, returned by the environment in later turns.
 
-Rows (see :func:`gym_video_env.environments.video_segments_rows` and
-:func:`~gym_video_env.environments.video_segment_question_rows`) carry ``segments`` (clip
+Rows (see :func:`video_grpo_demo.rows.video_segments_rows` and
+:func:`~video_grpo_demo.rows.video_segment_question_rows`) carry ``segments`` (clip
 references, relative to the media root, in segment order), ``options``, ``answer`` and, when the
 question names one segment, ``named_segment``. The session seeded by ``/seed_session`` holds the
 row's segments; ``/verify`` grades the final answer as ``video_mcqa`` does (``answer_format``:

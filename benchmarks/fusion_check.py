@@ -111,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fusion-check-") as workdir:
         hf_path = args.checkpoint
         if hf_path is None:
-            from rl_bridge.tiny_models import build_tiny_model
+            from video_grpo_demo.tiny_models import build_tiny_model
 
             hf_path = build_tiny_model("qwen2_5_vl", out_dir=workdir)
         report = run(

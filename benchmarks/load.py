@@ -53,11 +53,11 @@ import numpy as np
 import requests
 import torch
 
-from gym_video_env.synthetic.writer import write_video
 from rl_bridge.paths import cache_dir, project_root
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
-from rl_bridge.tiny_models import build_tiny_model
+from video_grpo_demo.synthetic.writer import write_video
+from video_grpo_demo.tiny_models import build_tiny_model
 
 WIDTH, HEIGHT, SECONDS, FPS = 640, 360, 8, 24
 MODELS = ("tiny", "qwen2.5-vl-3b")
@@ -265,8 +265,8 @@ def build_setup(model_name: str, frames: int, gpu_memory_utilization: float) -> 
     if model_name == "tiny":
         model, max_model_len = build_tiny_model("qwen2_5_vl", seed=0), 4096
     else:
-        from rl_bridge.recipe import load_recipe
         from rl_bridge.loop.tasks import checkpoint_dir
+        from rl_bridge.recipe import load_recipe
 
         recipe = load_recipe(project_root() / GPU_RECIPE)
         model, max_model_len = checkpoint_dir(recipe.model), recipe.model.max_model_len

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gym_video_env.hookspecs import MediaSettings
-from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.media_batch import MediaStore
 from rl_bridge.policy_inputs import PolicyInputBuilder, RolloutInputs
 from rl_bridge.processors import load_processor
 from rl_bridge.processors.qwen import QwenVLProcessor
-from rl_bridge.tiny_models import build_tiny_model
 from rl_bridge.trajectory import prompt_media
+from video_grpo_demo.synthetic import indexed_frames, write_video
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin.cache import DecodeCache
 
 T = TypeVar("T")

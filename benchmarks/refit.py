@@ -44,7 +44,7 @@ from rl_bridge.refit.client import RefitClient
 from rl_bridge.refit.sync import WeightSync
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
-from rl_bridge.tiny_models import build_tiny_model
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
 #: A Qwen2.5-VL shape of about 400 M parameters (24 text layers of width 1024, 16 vision blocks).

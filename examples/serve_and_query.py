@@ -37,8 +37,8 @@ import av
 import requests
 from openai import OpenAI
 
-from gym_video_env.synthetic import generate_task_clips
-from rl_bridge.tiny_models import build_tiny_model
+from video_grpo_demo.synthetic import generate_task_clips
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin.contract import VideoSamplingContract
 
 # The sampling contract: which frames vLLM takes from a video and how they are resized. The trainer

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gym_video_env.grading import BOXED_INSTRUCTION
-from gym_video_env.synthetic import PALETTE, SATURATED_COLOURS, write_video
+from video_grpo_demo.synthetic import PALETTE, SATURATED_COLOURS, write_video
 
 SEGMENT_S = 2.0
 FPS = 4

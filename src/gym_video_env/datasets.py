@@ -55,7 +55,7 @@ from typing import Any, Final, TextIO
 from PIL import Image
 from tqdm import tqdm
 
-from gym_video_env.environments import video_mcqa_rows, video_segments_rows, write_rows_jsonl
+from gym_video_env.environments import row_generator, write_rows_jsonl
 from gym_video_env.grading import BOXED_INSTRUCTION
 from gym_video_env.handlers import MEDIA_PART_TYPES, VIDEO_PART_TYPE, media_ref, resolve_local_media
 from gym_video_env.hookspecs import MediaError, MediaSettings
@@ -537,7 +537,7 @@ def _file_error(error: BaseException, source: Path) -> str:
 def _run(args: argparse.Namespace, prog: str) -> int:
     media_root = args.media_root.resolve()
     if args.command == "generate":
-        make = video_mcqa_rows if args.environment == "video_mcqa" else video_segments_rows
+        make = row_generator(args.environment)
         out = write_rows_jsonl(make(media_root, args.n, seed=args.seed), args.output)
         print(f"wrote {args.n} rows to {out}, clips under {media_root}")
         return 0

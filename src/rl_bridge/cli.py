@@ -24,39 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rl_bridge import registry
 from rl_bridge.user_errors import UsageError, recipe_error
 
 __all__ = ["main"]
-
-
-def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from rl_bridge.tiny_models import build_tiny_model
-
-    path = build_tiny_model(args.family, out_dir=args.out, seed=args.seed)
-    print(path)
-    return 0
-
-
-def _cmd_make_clips(args: argparse.Namespace) -> int:
-    from gym_video_env.synthetic import generate_task_clips
-
-    out = args.out.resolve()
-    media_root = (args.media_root or args.out).resolve()
-    if not out.is_relative_to(media_root):
-        print(
-            f"video-grpo make-clips: {args.out} is not inside --media-root {args.media_root}", file=sys.stderr
-        )
-        return 2
-    records = generate_task_clips(out, args.n, args.task, args.seed)
-    prefix = out.relative_to(media_root)
-    for record in records:
-        # The generic dataset format (`gym-dataset convert --format generic`): the clip relative to
-        # the media root, the question as `prompt`; the task's fields are kept.
-        row = record.to_dict()
-        row["video"] = (prefix / record.video).as_posix()
-        row["prompt"] = row.pop("question")
-        print(json.dumps(row))
-    return 0
 
 
 def _video_contract(raw: str, model: Path) -> Any:
@@ -368,29 +339,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. model.placement=colocated")
 
-    p = add("tiny-model", _cmd_tiny_model, "Build (or reuse from cache) a tiny random-weight VLM checkpoint.")
-    p.add_argument("family", choices=["qwen2_5_vl", "qwen3_vl", "nemotron_vl"])
-    p.add_argument("--out", type=Path, default=None, help="directory (default: the project cache)")
-    p.add_argument("--seed", type=int, default=0)
-
-    p = add(
-        "make-clips",
-        _cmd_make_clips,
-        "Write synthetic video clips with verifiable answers into OUT and print one JSON record per clip "
-        "in the generic dataset format (video, prompt, options, answer, id, and the task's fields), "
-        "ready for `video-grpo gym-dataset convert --format generic RECORDS ROWS --media-root ROOT`.",
-    )
-    p.add_argument("out", type=Path, help="directory for the clips (created if missing)")
-    p.add_argument(
-        "--media-root",
-        type=Path,
-        default=None,
-        help="directory OUT is inside; the records' video paths are relative to it (default: OUT)",
-    )
-    p.add_argument("--task", default="colour", choices=["colour", "count", "order"])
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-
     p = add(
         "serve-vllm",
         _cmd_serve_vllm,
@@ -493,12 +441,15 @@ def _parser() -> argparse.ArgumentParser:
 
     p = add("doctor", _cmd_doctor, "Check the environments: versions, plugin discovery, Gym interpreter.")
     p.add_argument("-v", "--verbose", action="store_true")
+    for _name, add_command in registry.commands():  # e.g. the demo's tiny-model and make-clips
+        add_command(add)
     return parser
 
 
 #: Commands that need the trainer's packages (the trainer extra, vLLM), absent from the Gym
-#: environment: a missing one is a wrong environment, not a bug.
-_TRAINER_COMMANDS = {"train", "plan", "serve-vllm", "tiny-model"}
+#: environment: a missing one is a wrong environment, not a bug. Commands of entry points say so
+#: with ``needs_trainer`` (:data:`rl_bridge.registry.AddCommand`).
+_TRAINER_COMMANDS = {"train", "plan", "serve-vllm"}
 _TRAINER_PACKAGES = frozenset(
     ("torch", "transformers", "vllm", "megatron", "omegaconf", "einops", "tensorboard", "matplotlib")
 )
@@ -515,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"video-grpo {args.command}: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
-        if debug or args.command not in _TRAINER_COMMANDS or not _not_installed(error.name):
+        needs_trainer = args.command in _TRAINER_COMMANDS or getattr(args, "needs_trainer", False)
+        if debug or not needs_trainer or not _not_installed(error.name):
             raise
         print(_wrong_environment(args.command, error.name or ""), file=sys.stderr)
         return 2

@@ -92,9 +92,9 @@ class ModelSection(_Section):
     seed: int = 0
     """Seed of the tiny model's random weight initialisation (``path: null`` only)."""
     spec: dict[str, Any] = Field(default_factory=dict)
-    """Overrides of the tiny family's spec fields (``rl_bridge.tiny_models.Qwen25VLSpec`` or
-    ``Qwen3VLSpec``);
-    ``path: null`` only."""
+    """Overrides of the spec fields of the model that ``family``'s ``video_grpo.models`` entry point
+    builds (:mod:`rl_bridge.registry`; the demo's ``video_grpo_demo.tiny_models.Qwen25VLSpec`` or
+    ``Qwen3VLSpec``); ``path: null`` only."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of the policy and of vLLM (the optimizer keeps fp32 master
     weights for bf16). CPU runs are fp32."""
@@ -274,11 +274,13 @@ EXPORT_DIR = "export"
 """Where in ``run_dir`` a finished run writes its weights as an HF checkpoint."""
 
 TaskEnvironment = Literal["mcqa", "segments", "agentic"]
-"""The Gym environment of a task (:func:`rl_bridge.loop.tasks.task_rows`)."""
+"""The Gym environment of a task; the ``video_grpo.tasks`` entry point of that name writes its rows
+(:func:`rl_bridge.registry.task_rows`)."""
 
 
 class TaskSection(_Section):
-    """The synthetic video task (``gym_video_env.synthetic``) and the Gym environment serving it."""
+    """The video task and the Gym environment serving it (rows: the demo's synthetic clips,
+    :mod:`video_grpo_demo.task`, through the ``video_grpo.tasks`` entry points)."""
 
     environment: TaskEnvironment = "mcqa"
     """``"mcqa"``: one clip in the prompt, one answer (``video_mcqa``); ``"segments"``: a
@@ -286,7 +288,7 @@ class TaskSection(_Section):
     video, the environment returns one segment's clip after each model turn (or on a
     ``watch_segment`` tool call), and the answer after the last segment is graded; ``"agentic"``:
     the question names one of ``num_segments`` segments of a video the prompt does not show
-    (``video_segments`` rows of :func:`gym_video_env.environments.video_segment_question_rows`);
+    (``video_segments`` rows of :func:`video_grpo_demo.rows.video_segment_question_rows`);
     the model calls the tool ``watch_segment`` (a real tool call, parsed by vLLM's tool-call
     parser) to get a segment's clip in the next turn, and answers when it chooses; each call costs
     ``tool_call_cost``."""
@@ -306,7 +308,7 @@ class TaskSection(_Section):
     segments_question: Literal["sequence", "last"] = "sequence"
     """``segments``: ``"sequence"``: the colours of all segments, in order (options are colour
     sequences); ``"last"``: the colour of the last segment
-    (:func:`gym_video_env.environments.video_last_segment_rows`: options are the first
+    (:func:`video_grpo_demo.rows.video_last_segment_rows`: options are the first
     ``num_options`` palette colours sorted, the earlier segments show other colours), so the
     answer is in the clip of the last turn only."""
     earlier_colours: Literal["any", "non_option"] = "any"
@@ -350,7 +352,7 @@ class TaskSection(_Section):
     bad_row_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training rows (rounded to the nearest row) whose clip is replaced by bad
     media: truncated, empty, audio-only, undecodable, not a video, or missing
-    (:mod:`gym_video_env.synthetic.bad_inputs`). Such rows must be masked with a reason and
+    (:mod:`video_grpo_demo.bad_inputs`). Such rows must be masked with a reason and
     counted, never crash the run. Held-out rows stay good. ``mcqa`` only. The rows are drawn with
     a seed of their own (``task.seed`` and ``"bad_rows"``), independent of the data order, so every
     step sees about this fraction."""

@@ -123,7 +123,7 @@ def canonical_action_tokens(model_dir: str | Path, choices: Sequence[str]) -> li
             raise ValueError(
                 f"action {choice!r} has {spellings} spellings over the tokens of the actions' own "
                 f"encodings in {model_dir}'s tokenizer, not one: its vocabulary needs merges that "
-                "cover the action (see rl_bridge.tiny_models.tokenizer)"
+                "cover the action (see video_grpo_demo.tiny_models.tokenizer)"
             )
     return sorted(tokens | {int(tokenizer.eos_token_id)})
 

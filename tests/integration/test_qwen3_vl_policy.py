@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from gym_video_env.synthetic import indexed_frames, write_video
 from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
 from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 from rl_bridge.processors import load_processor
 from tests.integration.test_megatron_policy import TRAJECTORIES, hf_logprobs, max_diff
+from video_grpo_demo.synthetic import indexed_frames, write_video
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ def test_the_moe_model_builds_without_te_and_matches_hf(
     """Qwen3-VL MoE: experts as megatron-core's SequentialMLP, no load-balancing term in the loss."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from rl_bridge.tiny_models import build_tiny_model
+    from video_grpo_demo.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model("qwen3_vl_moe")  # same tokenizer and processors as the dense one
     policy = MegatronPolicy(model_dir, PolicyConfig(learning_rate=1e-3, micro_batch_size=2))

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import requests
 
-from gym_video_env.synthetic.bad_inputs import CORPUS_MAX_VIDEO_BYTES, BadInput
 from rl_bridge.paths import project_root
 from rl_bridge.services.gym_server import GymServers, start_gym_servers, video_model_server_spec
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.bad_inputs import Corpus, ReliabilityReport, case_ids
 from tests.fixtures.vllm import CORPUS_SERVER_CONTRACT
+from video_grpo_demo.bad_inputs import CORPUS_MAX_VIDEO_BYTES, BadInput
 from vllm_video_plugin.manifest import MEDIA_ROOT_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

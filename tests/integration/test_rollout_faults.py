@@ -22,14 +22,19 @@ from typing import Any
 import pytest
 import requests
 
-from rl_bridge.recipe import TaskSection
-from rl_bridge.loop.tasks import task_rows
 from rl_bridge.paths import project_root
+from rl_bridge.recipe import TaskSection
 from rl_bridge.rollout import RolloutResult, RolloutSettings, collect_rollouts
-from rl_bridge.services.gym_server import GymServers, GymServerSpec, start_gym_servers, video_model_server_spec
+from rl_bridge.services.gym_server import (
+    GymServers,
+    GymServerSpec,
+    start_gym_servers,
+    video_model_server_spec,
+)
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.bad_inputs import FaultRecorder
+from video_grpo_demo.task import task_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

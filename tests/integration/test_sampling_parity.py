@@ -32,7 +32,7 @@ from vllm.multimodal.video import (
 )
 from vllm.transformers_utils.processors.nano_nemotron_vl import calculate_timestamps
 
-from gym_video_env.synthetic import WrittenVideo, indexed_frames, write_video
+from video_grpo_demo.synthetic import WrittenVideo, indexed_frames, write_video
 from vllm_video_plugin import compat
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames

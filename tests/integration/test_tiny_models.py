@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 from transformers.video_utils import VideoMetadata
 
-from rl_bridge.tiny_models import MANIFEST_NAME, Qwen25VLSpec, build_tiny_model
+from video_grpo_demo.tiny_models import MANIFEST_NAME, Qwen25VLSpec, build_tiny_model
 
 pytestmark = pytest.mark.integration
 

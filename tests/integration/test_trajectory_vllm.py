@@ -27,11 +27,11 @@ import torch
 from PIL import Image
 
 from gym_video_env import MediaSettings, get_plugin_manager
-from gym_video_env.environments import video_segments_rows
 from rl_bridge.policy_inputs import PolicyInputBuilder
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.media import MakeVideo
+from video_grpo_demo.rows import video_segments_rows
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = pytest.mark.integration
@@ -304,9 +304,9 @@ def test_each_turn_gets_the_content_of_its_own_clip_not_just_its_shape(
     placeholder check cannot tell them apart, so compare content. The policy tensors hold the
     prompt clip's pixels then the tool clip's, each equal to that file processed on its own; with
     the two swapped in the recorded trajectory the check still passes, and this test sees the swap."""
-    from gym_video_env.synthetic import indexed_frames
-
     from transformers import AutoTokenizer
+
+    from video_grpo_demo.synthetic import indexed_frames
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
     allowed = [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]

@@ -27,9 +27,9 @@ from PIL import Image
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoBackend
 
 import vllm_video_plugin
-from gym_video_env.synthetic import read_frame_index
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.vllm import NEEDS_MAMBA_ON_CPU, NEMOTRON_NUM_FRAMES
+from video_grpo_demo.synthetic import read_frame_index
 from vllm_video_plugin.contract import VIDEO_LOADER_NAME, VideoSamplingContract
 from vllm_video_plugin.decode import decode_frames
 from vllm_video_plugin.loaders import VIDEO_BYTES_KEY, VideoGRPOLoader, resolve_media_root
@@ -286,8 +286,8 @@ def test_presentation_timestamps_reach_the_prompt_on_both_sides(
     the same placeholders; with the default (nominal) times the prompt differs."""
     from transformers import AutoTokenizer
 
-    from gym_video_env.synthetic import indexed_frames, write_video
     from rl_bridge.processors import load_processor
+    from video_grpo_demo.synthetic import indexed_frames, write_video
 
     server: VLLMServer = request.getfixturevalue("vllm_qwen3vl")
     video = write_video(

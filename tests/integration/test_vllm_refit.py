@@ -27,8 +27,9 @@ from rl_bridge.refit.client import RefitClient, RefitError
 from rl_bridge.refit.sync import WeightSync
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer
-from rl_bridge.tiny_models import build_tiny_model
+from video_grpo_demo.tiny_models import build_tiny_model
 from tests.fixtures.vllm import QWEN25VL_CONTRACT
+from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin import compat
 from vllm_video_plugin.model_loader import MODEL_LOADER_NAME
 from vllm_video_plugin.refit_receiver import GLOO_BACKEND

@@ -1,6 +1,6 @@
 """The bad-input corpus through the in-process layers, and the resource bounds through each route.
 
-Layers (see :data:`gym_video_env.synthetic.bad_inputs.LAYERS`): this package's vLLM loader
+Layers (see :data:`video_grpo_demo.bad_inputs.LAYERS`): this package's vLLM loader
 (``decoder``), the Gym request preparation (``gym_request``), the dataset validator (``dataset``)
 and the trainer's preprocessing (``trainer``). Each observation is recorded in the reliability
 report before it is asserted; the servers are in ``tests/integration/test_reliability_servers.py``.
@@ -20,12 +20,12 @@ from gym_video_env.datasets import main as datasets_main
 from gym_video_env.datasets import validate_row
 from gym_video_env.hookspecs import MediaSettings
 from gym_video_env.request_media import MediaRequestError, prepare_request_media
-from gym_video_env.synthetic.bad_inputs import CORPUS_MAX_VIDEO_BYTES, LAYERS, BadInput
 from rl_bridge.paths import project_root
 from rl_bridge.policy_inputs import PolicyInputBuilder, RolloutInputs
 from rl_bridge.processors import load_processor
 from rl_bridge.processors.qwen import QwenVLProcessor
 from tests.fixtures.bad_inputs import FAULTS, Corpus, ReliabilityReport, case_ids, corpus_layers
+from video_grpo_demo.bad_inputs import CORPUS_MAX_VIDEO_BYTES, LAYERS, BadInput
 from vllm_video_plugin.cache import DecodeCache
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.decode import DecodeLimits

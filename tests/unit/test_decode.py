@@ -1,6 +1,6 @@
 """The PyAV decoder: exact frames (read back from their barcodes), the work it avoids, and its errors.
 
-Every video here carries its frame index as a barcode (``gym_video_env.synthetic.indexed_frames``),
+Every video here carries its frame index as a barcode (``video_grpo_demo.synthetic.indexed_frames``),
 so each decoded frame says which source frame it is.
 """
 
@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 import pytest
 
-from gym_video_env.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
+from video_grpo_demo.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.decode import (
     DEFAULT_LIMITS,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gym_video_env.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
+from video_grpo_demo.synthetic import WrittenVideo, indexed_frames, read_frame_index, write_video
 from vllm_video_plugin import cache as cache_module
 from vllm_video_plugin.cache import DecodeCache, decode_cache_key, shared_decode_cache
 from vllm_video_plugin.contract import VideoSamplingContract

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from gym_video_env.datasets import main, validate_row
-from gym_video_env.environments import read_rows_jsonl, video_mcqa_rows, write_rows_jsonl
+from gym_video_env.environments import read_rows_jsonl, write_rows_jsonl
 from gym_video_env.hookspecs import MediaSettings
-from gym_video_env.synthetic import indexed_frames, write_video
+from video_grpo_demo.rows import video_mcqa_rows
+from video_grpo_demo.synthetic import indexed_frames, write_video
 
 pytestmark = pytest.mark.unit
 

@@ -9,18 +9,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gym_video_env.environments import (
-    read_rows_jsonl,
-    segment_tool_output,
+from gym_video_env.environments import read_rows_jsonl, segment_tool_output, write_rows_jsonl
+from gym_video_env.grading import extract_boxed, final_assistant_text, grade_choice
+from video_grpo_demo.rows import (
     video_last_segment_rows,
     video_mcqa_rows,
     video_segment_question_rows,
     video_segments_rows,
-    write_rows_jsonl,
 )
-from gym_video_env.grading import extract_boxed, final_assistant_text, grade_choice
-from gym_video_env.synthetic import classify_colour
-from gym_video_env.synthetic.frames import SATURATED_COLOURS
+from video_grpo_demo.synthetic import classify_colour
+from video_grpo_demo.synthetic.frames import SATURATED_COLOURS
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from gym_video_env.environments import video_segments_rows
 from gym_video_env.grading import final_assistant_text, grade_choice
 from gym_video_env.request_media import count_media_parts
+from video_grpo_demo.rows import video_segments_rows
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def test_reward_is_the_grade_of_the_final_answer(recorded: dict[str, Any]) -> No
 
 def test_clips_regenerate_from_the_recorded_seed(recorded: dict[str, Any], tmp_path: Path) -> None:
     media = recorded["media"]
-    assert media["generator"] == "gym_video_env.environments.video_segments_rows"
+    assert media["generator"] == "video_grpo_demo.rows.video_segments_rows"
     (row,) = video_segments_rows(tmp_path, media["n"], seed=media["seed"], num_segments=media["num_segments"])
     result = recorded["result"]
     assert row["segments"] == result["segments"]

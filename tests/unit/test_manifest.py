@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gym_video_env.synthetic import indexed_frames, read_frame_index
+from video_grpo_demo.synthetic import indexed_frames, read_frame_index
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.decode import DecodeLimits
 from vllm_video_plugin.errors import VideoSamplingError

@@ -111,7 +111,7 @@ def test_known_checkpoints_count_their_published_parameters() -> None:
 def test_the_tiny_shape_counts_the_tiny_checkpoint_exactly(family: str) -> None:
     from safetensors import safe_open
 
-    from rl_bridge.tiny_models import build_tiny_model
+    from video_grpo_demo.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(family)
     counted = {"language": 0, "vision": 0}

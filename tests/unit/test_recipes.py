@@ -16,10 +16,10 @@ import yaml
 
 from gym_video_env.grading import LETTER_INSTRUCTION
 from rl_bridge.loop.async_grpo import run_async
-from rl_bridge.recipe import HardwareError, Recipe, load_recipe
 from rl_bridge.loop.sync import run_sync
-from rl_bridge.loop.tasks import task_rows
 from rl_bridge.paths import project_root
+from rl_bridge.recipe import HardwareError, Recipe, load_recipe
+from video_grpo_demo.task import task_rows
 
 pytestmark = pytest.mark.unit
 

@@ -30,7 +30,7 @@ CHOICES = ["A", "B", "C", *(hermes_tool_call("watch_segment", {"segment": k}) fo
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2.5-VL tokenizer with the files vLLM reads its vocabulary and stop tokens from."""
-    from rl_bridge.tiny_models.qwen import Qwen25VLSpec
+    from video_grpo_demo.tiny_models.qwen import Qwen25VLSpec
 
     directory = tmp_path_factory.mktemp("tokenizer")
     tokenizer = Qwen25VLSpec()._tokenizer()

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gym_video_env.synthetic import (
+from tests.fixtures.media import SAMPLE_FPS, SAMPLE_GOP, SAMPLE_NUM_FRAMES, SAMPLE_SIZE
+from video_grpo_demo.synthetic import (
     PALETTE,
     SATURATED_COLOURS,
     SHAPES,
@@ -37,7 +38,6 @@ from gym_video_env.synthetic import (
     write_records_jsonl,
     write_video,
 )
-from tests.fixtures.media import SAMPLE_FPS, SAMPLE_GOP, SAMPLE_NUM_FRAMES, SAMPLE_SIZE
 
 pytestmark = pytest.mark.unit
 

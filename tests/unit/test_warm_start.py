@@ -10,9 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gym_video_env.environments import video_segment_question_rows
-from gym_video_env.synthetic.tasks import ClipConfig
-from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.tasks import action_choices, demonstration, hermes_tool_call
 from rl_bridge.loop.warm_start import (
     SupervisedLoss,
@@ -22,6 +19,9 @@ from rl_bridge.loop.warm_start import (
 )
 from rl_bridge.megatron.batch import MediaTokens, collate
 from rl_bridge.megatron.policy_loss import StepCounts
+from rl_bridge.recipe import load_recipe
+from video_grpo_demo.rows import video_segment_question_rows
+from video_grpo_demo.synthetic.tasks import ClipConfig
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """``video_mcqa``: multiple-choice questions about a video in the prompt, graded from ``\\boxed{X}``.
 
-Rows (see :func:`gym_video_env.environments.video_mcqa_rows`) carry ``options`` (letter -> text)
+Rows (see :func:`video_grpo_demo.rows.video_mcqa_rows`) carry ``options`` (letter -> text)
 and ``answer`` (the correct letter) next to ``responses_create_params``. ``/verify`` reads the
 last ``\\boxed{...}`` of the final assistant message: reward 1.0 for the correct letter, else 0.0.
 Use it with the stock ``simple_agent`` (``configs/video_mcqa.yaml``).

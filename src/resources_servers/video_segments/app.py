@@ -10,8 +10,8 @@ segment: several clips per trajectory, returned by the environment in later turn
 reference is an image (``still_segments`` rows) comes back as an ``input_image`` still frame
 instead, so a trajectory can hold an image in one turn and a video in another.
 
-Rows (see :func:`gym_video_env.environments.video_segments_rows` and
-:func:`~gym_video_env.environments.video_segment_question_rows`) carry ``segments`` (clip
+Rows (see :func:`video_grpo_demo.rows.video_segments_rows` and
+:func:`~video_grpo_demo.rows.video_segment_question_rows`) carry ``segments`` (clip
 references, relative to the media root, in segment order), ``options``, ``answer`` and, when the
 question names one segment, ``named_segment``. The session seeded by ``/seed_session`` holds the
 row's segments; ``/verify`` grades the final answer as ``video_mcqa`` does (``answer_format``:

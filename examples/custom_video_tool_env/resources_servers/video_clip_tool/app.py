@@ -35,7 +35,7 @@ from gym_video_env import MediaSettings
 from gym_video_env.grading import final_assistant_text, grade_choice
 from gym_video_env.handlers import resolve_local_media
 from gym_video_env.hookspecs import MediaError
-from gym_video_env.synthetic import write_video
+from video_grpo_demo.synthetic import write_video
 
 
 class VideoClipToolConfig(BaseResourcesServerConfig):

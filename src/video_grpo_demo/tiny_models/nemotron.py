@@ -27,8 +27,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 from transformers import GenerationConfig
 
-from rl_bridge.tiny_models.builder import TinyModelSpec
-from rl_bridge.tiny_models.tokenizer import build_tokenizer, load_chat_template
+from video_grpo_demo.tiny_models.builder import TinyModelSpec
+from video_grpo_demo.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
 __all__ = ["NEMOTRON_AUDIO_TOKENS", "NEMOTRON_VL_SPECIAL_TOKENS", "NemotronVLSpec"]
 

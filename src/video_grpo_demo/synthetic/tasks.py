@@ -25,7 +25,7 @@ from typing import Any, Final, Literal, TypeVar, get_args
 import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from gym_video_env.synthetic.frames import (
+from video_grpo_demo.synthetic.frames import (
     SATURATED_COLOURS,
     SHAPES,
     ColourName,
@@ -34,7 +34,7 @@ from gym_video_env.synthetic.frames import (
     shape_frame,
     solid_frame,
 )
-from gym_video_env.synthetic.writer import write_video
+from video_grpo_demo.synthetic.writer import write_video
 
 __all__ = [
     "TASKS",
@@ -70,7 +70,7 @@ class ClipConfig:
     num_options: int = 4
     """Multiple-choice options per question, 2 to 6 (lettered A, B, C...)."""
     codec: str | None = None
-    """FFmpeg encoder; ``None`` means :func:`gym_video_env.synthetic.writer.default_codec`."""
+    """FFmpeg encoder; ``None`` means :func:`video_grpo_demo.synthetic.writer.default_codec`."""
     suffix: str = ".mp4"
     """File suffix, which also picks the container."""
 

@@ -40,7 +40,7 @@ class TinyModelSpec(BaseModel, ABC):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    #: Family name accepted by :func:`rl_bridge.tiny_models.build_tiny_model`.
+    #: Family name accepted by :func:`video_grpo_demo.tiny_models.build_tiny_model`.
     family: ClassVar[str]
 
     #: Bump whenever :meth:`write` produces different files for the same spec, so that cached

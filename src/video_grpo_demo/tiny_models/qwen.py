@@ -1,4 +1,5 @@
-"""Tiny Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints: random weights, real architecture, small everything.
+"""Tiny Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints: random weights, real architecture, small
+everything.
 
 Both families share the Qwen special tokens and the ChatML layout of their chat templates; they
 differ in the vision tower (Qwen3-VL: patch 16, learned position embeddings, deepstack) and in
@@ -23,8 +24,8 @@ from transformers import (
     ProcessorMixin,
 )
 
-from rl_bridge.tiny_models.builder import TinyModelSpec
-from rl_bridge.tiny_models.tokenizer import build_tokenizer, load_chat_template
+from video_grpo_demo.tiny_models.builder import TinyModelSpec
+from video_grpo_demo.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
 __all__ = ["QWEN_ADDED_TOKENS", "QWEN_SPECIAL_TOKENS", "Qwen3VLMoeSpec", "Qwen3VLSpec", "Qwen25VLSpec"]
 
@@ -117,7 +118,8 @@ class _QwenVLSpec(TinyModelSpec):
             )
         if self.vocab_size is not None and self.vocab_size < self.bpe_vocab_size:
             raise ValueError(
-                f"vocab_size={self.vocab_size} is smaller than the tokenizer's bpe_vocab_size={self.bpe_vocab_size}"
+                f"vocab_size={self.vocab_size} is smaller than the tokenizer's "
+                f"bpe_vocab_size={self.bpe_vocab_size}"
             )
         if self.vision_hidden_size % self.vision_num_heads:
             raise ValueError(

@@ -24,20 +24,19 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import struct
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
-import av
 import numpy as np
 from PIL import Image
 
-from gym_video_env.synthetic.frames import indexed_frames
-from gym_video_env.synthetic.writer import write_video
+from video_grpo_demo.bad_inputs import _files
+from video_grpo_demo.bad_inputs._files import good_video
+from video_grpo_demo.synthetic.frames import indexed_frames
+from video_grpo_demo.synthetic.writer import write_video
 
 __all__ = [
     "CORPUS_MAX_VIDEO_BYTES",
@@ -72,9 +71,6 @@ CORPUS_MAX_VIDEO_BYTES: Final = 16 * 1024
 """The video byte limit the corpus assumes the layers under test are configured with, in bytes;
 :func:`good_video` stays far below it and the ``data_url_over_limit`` payload above it."""
 
-_GOOD_FRAMES: Final = 8
-_SIZE: Final = 64
-_FPS: Final = 8
 _QUESTION: Final = "What colour is the clip?"
 
 
@@ -114,11 +110,6 @@ class BadInput:
         return {"responses_create_params": {"input": self.items}, "task_id": self.id, "answer": answer}
 
 
-def good_video(path: Path) -> Path:
-    """Write the corpus's well-formed reference clip (H.264 MP4, 8 frames of 64x64 at 8 fps) to ``path``."""
-    return write_video(path, indexed_frames(_GOOD_FRAMES, width=_SIZE, height=_SIZE), fps=_FPS, gop=4).path
-
-
 def write_bad_inputs(media_root: Path, outside: Path) -> list[BadInput]:
     """Write every case of the corpus and return them in a fixed order.
 
@@ -134,7 +125,7 @@ def write_bad_inputs(media_root: Path, outside: Path) -> list[BadInput]:
     return [make(media_root, outside) for make in _CASES]
 
 
-# -- the cases ---------------------------------------------------------------------------------------
+# -- the cases (their files are written by _files) --------------------------------------------------
 
 # Media that reach the decoding layers and must be refused there.
 _UNDECODABLE: Final[dict[Layer, Expected]] = {
@@ -191,132 +182,7 @@ def _chat_video(url: str) -> list[dict[str, Any]]:
     return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": _QUESTION}]
 
 
-def _truncated(directory: Path) -> Path:
-    data = good_video(directory / "truncated.src.mp4")
-    raw = data.read_bytes()
-    data.unlink()
-    path = directory / "truncated.mp4"
-    path.write_bytes(raw[: len(raw) // 2])  # the index (moov) is at the end: cut off
-    return path
-
-
-def _corrupt_middle(directory: Path) -> Path:
-    path = good_video(directory / "corrupt_middle.mp4")
-    raw = bytearray(path.read_bytes())
-    start, end = raw.find(b"mdat") + 4, raw.find(b"moov") - 4
-    third = (end - start) // 3
-    raw[start + third : end - third] = (
-        np.random.default_rng(0).integers(0, 256, third, dtype=np.uint8).tobytes()
-    )
-    path.write_bytes(bytes(raw))
-    return path
-
-
-def _zero_length(directory: Path) -> Path:
-    path = directory / "zero_length.mp4"
-    path.write_bytes(b"")
-    return path
-
-
-def _audio_only(directory: Path) -> Path:
-    path = directory / "audio_only.mp4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("aac", rate=8000)
-        frame = av.AudioFrame.from_ndarray(
-            np.zeros((1, 1024), dtype=np.float32), format="fltp", layout="mono"
-        )
-        frame.sample_rate = 8000
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
-            container.mux(packet)
-    return path
-
-
-def _zero_decodable_frames(directory: Path) -> Path:
-    path = good_video(directory / "zero_decodable_frames.mp4")
-    raw = bytearray(path.read_bytes())
-    start, end = raw.find(b"mdat") + 4, raw.find(b"moov") - 4
-    raw[start:end] = bytes(end - start)  # every packet is there, filled with zeros
-    path.write_bytes(bytes(raw))
-    return path
-
-
-def _avi(directory: Path, name: str) -> tuple[Path, bytearray]:
-    path = write_video(
-        directory / name, indexed_frames(_GOOD_FRAMES, width=_SIZE, height=_SIZE), fps=_FPS, codec="mpeg4"
-    ).path
-    return path, bytearray(path.read_bytes())
-
-
-def _overreported_frame_count(directory: Path) -> Path:
-    path, raw = _avi(directory, "overreported_frame_count.avi")
-    # AVI main header (avih) dwTotalFrames and stream header (strh) dwLength claim 1000 frames.
-    for tag, offset in ((b"avih", 16), (b"strh", 32)):
-        at = raw.find(tag) + 8 + offset
-        raw[at : at + 4] = struct.pack("<I", 1000)
-    path.write_bytes(bytes(raw))
-    return path
-
-
-def _unsupported_codec(directory: Path) -> Path:
-    path, raw = _avi(directory, "unsupported_codec.avi")
-    for tag in (b"FMP4", b"fmp4"):  # the MPEG-4 fourcc, as a codec FFmpeg does not know
-        raw = bytearray(bytes(raw).replace(tag, b"QQQZ"))
-    path.write_bytes(bytes(raw))
-    return path
-
-
-def _variable_frame_rate(directory: Path) -> Path:
-    pts = [0.0, 0.1, 0.15, 0.5, 0.55, 0.9, 1.3, 1.35]
-    return write_video(
-        directory / "variable_frame_rate.mp4",
-        indexed_frames(len(pts), width=_SIZE, height=_SIZE),
-        fps=_FPS,
-        pts_seconds=pts,
-    ).path
-
-
-def _rotation(directory: Path) -> Path:
-    return write_video(
-        directory / "rotation_90.mp4",
-        indexed_frames(_GOOD_FRAMES, width=_SIZE, height=48),
-        fps=_FPS,
-        rotation_degrees=90,
-    ).path
-
-
-def _odd_size(directory: Path) -> Path:
-    return write_video(
-        directory / "odd_size.mp4", indexed_frames(_GOOD_FRAMES, width=63, height=47), fps=_FPS
-    ).path
-
-
-def _tiny(directory: Path) -> Path:
-    frames = np.zeros((_GOOD_FRAMES, 1, 1, 3), dtype=np.uint8)
-    frames[:, 0, 0] = (200, 30, 30)
-    return write_video(directory / "tiny_1x1.mp4", frames, fps=_FPS).path
-
-
-def _over_pixel_budget(directory: Path) -> Path:
-    # A YUV4MPEG2 stream whose header declares 10000x10000 frames (100 million pixels, three times
-    # the default budget) followed by a few bytes: refusing it must need nothing but the header.
-    path = directory / "over_pixel_budget.mp4"
-    path.write_bytes(b"YUV4MPEG2 W10000 H10000 F8:1 Ip A1:1 C420jpeg\nFRAME\n" + bytes(4096))
-    return path
-
-
-def _not_a_video(directory: Path) -> Path:
-    path = directory / "not_a_video.mp4"
-    path.write_text("name,answer\nclip-1,A\n" * 20)
-    return path
-
-
 # Manifests ------------------------------------------------------------------------------------------
-
-
-def _frame_png(path: Path, width: int, height: int) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(indexed_frames(1, width=width, height=height)[0]).save(path)
-    return path
 
 
 def _manifest_case(
@@ -338,65 +204,14 @@ def _manifest_case(
     return make
 
 
-def _good_frames(media_root: Path, count: int = 4) -> list[dict[str, Any]]:
-    return [
-        {
-            "path": _frame_png(media_root / "frames" / f"{index}.png", _SIZE, _SIZE)
-            .relative_to(media_root)
-            .as_posix(),
-            "index": index,
-        }
-        for index in range(count)
-    ]
-
-
-def _dotdot(media_root: Path, outside: Path) -> list[dict[str, Any]]:
-    return [*_good_frames(media_root, 3), {"path": "frames/../../escape.png", "index": 3}]
-
-
-def _absolute_outside(media_root: Path, outside: Path) -> list[dict[str, Any]]:
-    target = _frame_png(outside / "outside.png", _SIZE, _SIZE)
-    return [*_good_frames(media_root, 3), {"path": str(target), "index": 3}]
-
-
-def _symlink_escape(media_root: Path, outside: Path) -> list[dict[str, Any]]:
-    target = _frame_png(outside / "linked.png", _SIZE, _SIZE)
-    link = media_root / "frames" / "link.png"
-    link.unlink(missing_ok=True)
-    os.symlink(target, link)
-    return [*_good_frames(media_root, 3), {"path": "frames/link.png", "index": 3}]
-
-
-def _missing_frame(media_root: Path, outside: Path) -> list[dict[str, Any]]:
-    return [*_good_frames(media_root, 3), {"path": "frames/never_written.png", "index": 3}]
-
-
-def _mixed_shapes(media_root: Path, outside: Path) -> list[dict[str, Any]]:
-    wide = _frame_png(media_root / "frames" / "wide.png", 2 * _SIZE, _SIZE)
-    return [*_good_frames(media_root, 3), {"path": wide.relative_to(media_root).as_posix(), "index": 3}]
-
-
-def _malformed_json(media_root: Path, outside: Path) -> str:
-    return '{"format": "video_grpo.frames/v1", "source_fps": 8.0, "frames": [{"path": "frames/0.png",'
-
-
-def _wrong_types(media_root: Path, outside: Path) -> str:
-    _good_frames(media_root, 1)
-    return json.dumps(
-        {
-            "format": "video_grpo.frames/v1",
-            "source_fps": "eight",
-            "frames": [{"path": "frames/0.png", "index": "0"}],
-        }
-    )
-
-
 # Requests and rows ---------------------------------------------------------------------------------------
 
 
 def _data_url_over_limit(media_root: Path, outside: Path) -> BadInput:
-    noise = np.random.default_rng(1).integers(0, 256, (_GOOD_FRAMES, _SIZE, _SIZE, 3), dtype=np.uint8)
-    path = write_video(outside / "noise.mp4", noise, fps=_FPS).path
+    noise = np.random.default_rng(1).integers(
+        0, 256, (_files.GOOD_FRAMES, _files.SIZE, _files.SIZE, 3), dtype=np.uint8
+    )
+    path = write_video(outside / "noise.mp4", noise, fps=_files.FPS).path
     data = path.read_bytes()
     if len(data) <= CORPUS_MAX_VIDEO_BYTES:
         raise RuntimeError(f"the noise clip is {len(data)} bytes, not over {CORPUS_MAX_VIDEO_BYTES}")
@@ -440,7 +255,7 @@ def _missing_file(media_root: Path, outside: Path) -> BadInput:
 
 def _bundle_claiming_frames(media_root: Path, outside: Path) -> BadInput:
     frame = io.BytesIO()
-    Image.fromarray(indexed_frames(1, width=_SIZE, height=_SIZE)[0]).save(frame, format="PNG")
+    Image.fromarray(indexed_frames(1, width=_files.SIZE, height=_files.SIZE)[0]).save(frame, format="PNG")
     manifest = {
         "format": "video_grpo.frames/v1",
         "source_fps": 30.0,
@@ -543,50 +358,52 @@ def _text_only_row(media_root: Path, outside: Path) -> BadInput:
 
 
 _CASES: Final[tuple[Callable[[Path, Path], BadInput], ...]] = (
-    _video_case("truncated", "an MP4 cut in half: its index (moov) is missing", _truncated, _UNDECODABLE),
+    _video_case(
+        "truncated", "an MP4 cut in half: its index (moov) is missing", _files.truncated, _UNDECODABLE
+    ),
     _video_case(
         "corrupt_middle",
         "random bytes overwrite the middle third of the coded frames (the container is intact)",
-        _corrupt_middle,
+        _files.corrupt_middle,
         _UNDECODABLE,
         note="Damage the decoder detects is an error. Damage it cannot detect (a few flipped bits inside "
         "a slice) is concealed by FFmpeg and decodes, slightly wrong, identically on every side.",
     ),
-    _video_case("zero_length", "an empty file named .mp4", _zero_length, _UNDECODABLE),
+    _video_case("zero_length", "an empty file named .mp4", _files.zero_length, _UNDECODABLE),
     _video_case(
-        "audio_only", "an MP4 with an AAC audio stream and no video stream", _audio_only, _UNDECODABLE
+        "audio_only", "an MP4 with an AAC audio stream and no video stream", _files.audio_only, _UNDECODABLE
     ),
     _video_case(
         "zero_decodable_frames",
         "an MP4 whose 8 frame packets are all zeros: demuxable, none decodable",
-        _zero_decodable_frames,
+        _files.zero_decodable_frames,
         _UNDECODABLE,
     ),
     _video_case(
         "overreported_frame_count",
         "an AVI whose headers claim 1000 frames but which holds 8",
-        _overreported_frame_count,
+        _files.overreported_frame_count,
         _DECODABLE,
         note="The decoder counts the packets and samples over the 8 frames that exist.",
     ),
     _video_case(
         "variable_frame_rate",
         "8 frames at irregular times (gaps of 0.05 to 0.4 s)",
-        _variable_frame_rate,
+        _files.variable_frame_rate,
         _DECODABLE,
     ),
     _video_case(
         "rotation_90",
         "a 64x48 clip with a 90-degree display matrix",
-        _rotation,
+        _files.rotation,
         _DECODABLE,
         note="Frames come out rotated (48x64), as OpenCV and vLLM's stock loader return them.",
     ),
-    _video_case("odd_size", "a 63x47 clip (odd width and height, 4:4:4 H.264)", _odd_size, _DECODABLE),
+    _video_case("odd_size", "a 63x47 clip (odd width and height, 4:4:4 H.264)", _files.odd_size, _DECODABLE),
     _video_case(
         "tiny_1x1",
         "a 1x1-pixel clip",
-        _tiny,
+        _files.tiny,
         _DECODABLE,
         note="A 1x1 video is a valid video: the decoder returns 1x1 frames and the model's processor "
         "resizes them up to its minimum pixel budget (Qwen's smart_resize), as for any small image.",
@@ -594,37 +411,39 @@ _CASES: Final[tuple[Callable[[Path, Path], BadInput], ...]] = (
     _video_case(
         "over_pixel_budget",
         "a stream whose header declares 10000x10000 frames (3x the default pixel budget) with 4 KiB of data",
-        _over_pixel_budget,
+        _files.over_pixel_budget,
         _UNDECODABLE,
         note="Refused from the stream header, before any packet is read.",
     ),
     _video_case(
         "unsupported_codec",
         "an AVI whose video codec fourcc (QQQZ) no decoder knows",
-        _unsupported_codec,
+        _files.unsupported_codec,
         _UNDECODABLE,
     ),
-    _video_case("not_a_video", "a CSV text file named .mp4", _not_a_video, _UNDECODABLE),
-    _manifest_case("manifest_dotdot", "a frame manifest whose last frame path contains '..'", _dotdot),
+    _video_case("not_a_video", "a CSV text file named .mp4", _files.not_a_video, _UNDECODABLE),
+    _manifest_case("manifest_dotdot", "a frame manifest whose last frame path contains '..'", _files.dotdot),
     _manifest_case(
         "manifest_absolute_outside",
         "a frame manifest naming an absolute path outside the media root",
-        _absolute_outside,
+        _files.absolute_outside,
     ),
     _manifest_case(
         "manifest_symlink_escape",
         "a frame manifest naming a symlink inside the media root that points outside it",
-        _symlink_escape,
+        _files.symlink_escape,
     ),
     _manifest_case(
-        "manifest_missing_frame", "a frame manifest naming a frame file that does not exist", _missing_frame
+        "manifest_missing_frame",
+        "a frame manifest naming a frame file that does not exist",
+        _files.missing_frame,
     ),
     _manifest_case(
-        "manifest_mixed_shapes", "a frame manifest whose frames are 64x64 and 128x64", _mixed_shapes
+        "manifest_mixed_shapes", "a frame manifest whose frames are 64x64 and 128x64", _files.mixed_shapes
     ),
-    _manifest_case("manifest_malformed_json", "a frame manifest cut off mid-JSON", _malformed_json),
+    _manifest_case("manifest_malformed_json", "a frame manifest cut off mid-JSON", _files.malformed_json),
     _manifest_case(
-        "manifest_wrong_types", "a frame manifest with source_fps and index as strings", _wrong_types
+        "manifest_wrong_types", "a frame manifest with source_fps and index as strings", _files.wrong_types
     ),
     _bundle_claiming_frames,
     _data_url_over_limit,

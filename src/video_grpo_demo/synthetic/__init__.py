@@ -1,13 +1,13 @@
 """Synthetic videos with known content, for tests and the demo task.
 
-- :mod:`~gym_video_env.synthetic.frames`: palette colours, large shapes and a frame-index barcode,
+- :mod:`~video_grpo_demo.synthetic.frames`: palette colours, large shapes and a frame-index barcode,
   plus classifiers that read them back from lossy-decoded frames.
-- :mod:`~gym_video_env.synthetic.writer`: :func:`write_video` encodes frames with PyAV and returns a
+- :mod:`~video_grpo_demo.synthetic.writer`: :func:`write_video` encodes frames with PyAV and returns a
   :class:`WrittenVideo` describing what was written (timestamps, keyframes, rotation).
-- :mod:`~gym_video_env.synthetic.tasks`: seeded multiple-choice clips with verifiable answers.
+- :mod:`~video_grpo_demo.synthetic.tasks`: seeded multiple-choice clips with verifiable answers.
 """
 
-from gym_video_env.synthetic.frames import (
+from video_grpo_demo.synthetic.frames import (
     BARCODE_DIGITS,
     PALETTE,
     SATURATED_COLOURS,
@@ -25,7 +25,7 @@ from gym_video_env.synthetic.frames import (
     shape_mask,
     solid_frame,
 )
-from gym_video_env.synthetic.tasks import (
+from video_grpo_demo.synthetic.tasks import (
     TASKS,
     ClipConfig,
     TaskName,
@@ -35,7 +35,7 @@ from gym_video_env.synthetic.tasks import (
     read_records_jsonl,
     write_records_jsonl,
 )
-from gym_video_env.synthetic.writer import OddSize, WrittenVideo, default_codec, write_video
+from video_grpo_demo.synthetic.writer import OddSize, WrittenVideo, default_codec, write_video
 
 __all__ = [
     "BARCODE_DIGITS",

@@ -243,8 +243,8 @@ def test_a_nemotron_recipe_needs_a_video_contract() -> None:
 def test_still_segments_reach_the_rows_and_vllm_s_image_limit(tiny_qwen25vl: Path, tmp_path: Path) -> None:
     """``task.still_segments``: those segments come back as images, and the loop's vLLM takes that
     many images per prompt (none otherwise) and the remaining clips as videos."""
-    from rl_bridge.backends.roles import vllm_config
-    from rl_bridge.loop.tasks import task_rows
+    from rl_bridge.backends.vllm_servers import vllm_config
+    from video_grpo_demo.task import task_rows
 
     multiturn = project_root() / "recipes" / "tiny_cpu_multiturn.yaml"
     data = _task_data(tiny_qwen25vl, tmp_path)

@@ -363,7 +363,7 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     import torch
 
     from rl_bridge.backends.vllm_servers import run_processor
-    from rl_bridge.loop.tasks import prepare_task
+    from rl_bridge.tasks import prepare_task
 
     recipe = load(recipe_path, overrides, args)
     data = prepare_task(recipe)
@@ -566,7 +566,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     command = shlex.join([sys.executable, *sys.argv])
-    from rl_bridge.loop.tasks import prepare_task
+    from rl_bridge.tasks import prepare_task
 
     recipe = load(args.recipe, args.overrides, args)
     started = time.perf_counter()

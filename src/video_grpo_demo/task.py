@@ -1,7 +1,7 @@
 """The demo's tasks: rows of the three environments from synthetic clips, and bad media mixed in.
 
 The ``video_grpo.tasks`` entry points ``mcqa``, ``segments`` and ``agentic`` load
-:func:`write_task_rows`, which :func:`rl_bridge.loop.tasks.prepare_task` calls through
+:func:`write_task_rows`, which :func:`rl_bridge.tasks.prepare_task` calls through
 :func:`rl_bridge.registry.task_rows`:
 
 - ``mcqa``: ``video_mcqa`` rows built from the synthetic video tasks, like

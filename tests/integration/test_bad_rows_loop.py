@@ -32,7 +32,7 @@ import pytest
 from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.stages.rollout import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
-from rl_bridge.loop.tasks import prepare_task
+from rl_bridge.tasks import prepare_task
 from rl_bridge.paths import project_root
 from rl_bridge.recipe import load_recipe
 from tests.fixtures.bad_inputs import FaultRecorder

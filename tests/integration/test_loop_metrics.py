@@ -50,7 +50,9 @@ def _step_names(run: TrainedRun) -> set[str]:
     return {name for record in run.steps for name in record} - {"step"}
 
 
-def test_sync_and_async_log_the_same_step_metrics_apart_from_the_async_ones(runs: dict[str, TrainedRun]) -> None:
+def test_sync_and_async_log_the_same_step_metrics_apart_from_the_async_ones(
+    runs: dict[str, TrainedRun],
+) -> None:
     sync, asynchronous = (_step_names(runs[mode]) for mode in ("sync", "async"))
     assert ASYNC_ONLY <= asynchronous
     assert sync == asynchronous - ASYNC_ONLY, (
@@ -80,4 +82,3 @@ def test_the_recipe_files_are_the_same(runs: dict[str, TrainedRun]) -> None:
         recipe.pop("mode")
         recipe.pop("run_dir")
     assert recipes["sync"] == recipes["async"]
-

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rl_bridge.recipe import load_recipe
-from rl_bridge.loop.tasks import checkpoint_dir
+from rl_bridge.tasks import checkpoint_dir
 from tests.fixtures.training import TrainedRun, train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -188,7 +188,7 @@ def test_a_grammar_of_tool_calls_constrains_decoding_as_the_trainer_replays_it(
     accepted and decoded into exactly one of the choices on every supported vLLM release (vLLM
     before 0.31 could not compile such a ``choice``), and the trainer's replay of the same grammar
     allows every token vLLM generated."""
-    from rl_bridge.loop.tasks import hermes_tool_call
+    from rl_bridge.tasks import hermes_tool_call
     from rl_bridge.structured_outputs import GrammarMasks, choice_request_body
 
     choices = ["A", "B", *(hermes_tool_call("watch_segment", {"segment": k}) for k in (1, 2, 3))]

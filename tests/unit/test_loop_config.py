@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 from rl_bridge.recipe import Recipe, apply_overrides, load_recipe
-from rl_bridge.loop.tasks import TaskData
+from rl_bridge.tasks import TaskData
 from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit

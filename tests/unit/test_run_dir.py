@@ -108,7 +108,7 @@ def test_make_train_repeats_on_the_same_run_directory(
         seen.append(sorted(p.name for p in recipe.run_dir.iterdir()))
         raise _Started
 
-    monkeypatch.setattr("rl_bridge.loop.tasks.prepare_task", started)
+    monkeypatch.setattr("rl_bridge.tasks.prepare_task", started)
     run_dir = _earlier_run(tmp_path / "run")
     for _ in range(2):
         with pytest.raises(_Started):

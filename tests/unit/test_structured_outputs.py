@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_bridge.loop.tasks import hermes_tool_call
+from rl_bridge.tasks import hermes_tool_call
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.logprobs import token_logprobs
 from rl_bridge.structured_outputs import (

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rl_bridge.loop.tasks import action_choices, demonstration, hermes_tool_call
+from rl_bridge.tasks import action_choices, demonstration, hermes_tool_call
 from rl_bridge.loop.warm_start import (
     SupervisedLoss,
     demonstration_samples,

@@ -10,7 +10,7 @@ from rl_bridge.backends.local import start_local_roles
 
 if TYPE_CHECKING:
     from rl_bridge.backends.handles import Roles
-    from rl_bridge.loop.tasks import TaskData
+    from rl_bridge.tasks import TaskData
     from rl_bridge.recipe import Recipe
 
 __all__ = ["start_roles"]

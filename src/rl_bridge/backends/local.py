@@ -20,7 +20,7 @@ from rl_bridge.grpo import needs_reference
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.tasks import TaskData
+    from rl_bridge.tasks import TaskData
     from rl_bridge.placement import Plan
     from rl_bridge.recipe import Recipe
 

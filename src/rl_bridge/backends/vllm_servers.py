@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rl_bridge.loop.tasks import TaskData
+    from rl_bridge.tasks import TaskData
     from rl_bridge.placement import VLLMReplica
     from rl_bridge.processors import MediaProcessor
     from rl_bridge.recipe import Recipe

@@ -1,6 +1,6 @@
 """What both loops do around their steps: start a run, log each step, end it.
 
-:class:`Run` announces the run, prepares the task (:func:`rl_bridge.loop.tasks.prepare_task`),
+:class:`Run` announces the run, prepares the task (:func:`rl_bridge.tasks.prepare_task`),
 starts the roles (:func:`rl_bridge.backends.launch.start_roles`: vLLM, the Gym servers, the
 policy) and builds the stages (:class:`~rl_bridge.loop.step.Stages`), timing it all as
 ``time/setup_s``; :meth:`Run.begin` opens the metrics (TensorBoard and ``metrics.jsonl``), the
@@ -53,7 +53,7 @@ class Run:
         """Write ``recipe.json``, announce the run and set it up; what it starts is stopped when
         ``stack`` closes."""
         from rl_bridge.backends.launch import start_roles
-        from rl_bridge.loop.tasks import prepare_task
+        from rl_bridge.tasks import prepare_task
 
         self.recipe = recipe
         self.run_dir = run_dir

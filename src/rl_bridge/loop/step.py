@@ -27,7 +27,7 @@ class Stages:
 
     recipe: Recipe
     data: Any
-    """The task's :class:`~rl_bridge.loop.tasks.TaskData`."""
+    """The task's :class:`~rl_bridge.tasks.TaskData`."""
     roles: Any
     """The started :class:`~rl_bridge.backends.handles.Roles`."""
     rollout: RolloutStage
@@ -39,7 +39,7 @@ class Stages:
     def build(cls, recipe: Recipe, data: Any, roles: Any) -> Stages:
         from gym_video_env import MediaSettings
         from rl_bridge.backends.vllm_servers import run_processor
-        from rl_bridge.loop.tasks import turn_choices
+        from rl_bridge.tasks import turn_choices
         from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
         from rl_bridge.structured_outputs import GrammarMasks

@@ -153,7 +153,7 @@ def warm_start(stages: Any) -> dict[str, float]:
     """
     from transformers import AutoTokenizer
 
-    from rl_bridge.loop.tasks import demonstration
+    from rl_bridge.tasks import demonstration
 
     recipe = stages.recipe
     tokenizer = AutoTokenizer.from_pretrained(stages.data.model_dir)

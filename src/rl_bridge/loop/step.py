@@ -39,10 +39,10 @@ class Stages:
     def build(cls, recipe: Recipe, data: Any, roles: Any) -> Stages:
         from gym_video_env import MediaSettings
         from rl_bridge.backends.vllm_servers import run_processor
-        from rl_bridge.tasks import turn_choices
         from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
         from rl_bridge.policy_inputs import PolicyInputBuilder
         from rl_bridge.structured_outputs import GrammarMasks
+        from rl_bridge.tasks import turn_choices
 
         masked = MaskedLog(recipe.run_dir.resolve())
         inputs = PolicyInputBuilder(

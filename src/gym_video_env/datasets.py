@@ -27,8 +27,10 @@
     bounds of :class:`vllm_video_plugin.decode.DecodeLimits`, set with ``--max-frame-pixels``,
     ``--max-frames`` and ``--decode-timeout-s`` (``--max-video-bytes`` also bounds decoding).
 
-``python -m gym_video_env.datasets generate {video_mcqa,video_segments} OUTPUT --media-root DIR``
-    Writes synthetic clips under the media root and their rows (see :mod:`gym_video_env.environments`).
+``python -m gym_video_env.datasets generate NAME OUTPUT --media-root DIR``
+    Writes clips under the media root and their rows with the row generator registered as ``NAME``
+    in the ``gym_video_env.row_generators`` entry point group (video-grpo's demo registers
+    ``video_mcqa`` and ``video_segments``; see :func:`gym_video_env.environments.row_generator`).
 
 ``convert`` and ``validate`` report every bad record with its line number (the 1-based line of
 the input file; for a JSON list, the 1-based record number) and its reason, and exit with status
@@ -49,13 +51,14 @@ import sys
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Final, TextIO
 
 from PIL import Image
 from tqdm import tqdm
 
-from gym_video_env.environments import row_generator, write_rows_jsonl
+from gym_video_env.environments import ROW_GENERATORS_GROUP, row_generator, write_rows_jsonl
 from gym_video_env.grading import BOXED_INSTRUCTION
 from gym_video_env.handlers import MEDIA_PART_TYPES, VIDEO_PART_TYPE, media_ref, resolve_local_media
 from gym_video_env.hookspecs import MediaError, MediaSettings
@@ -502,7 +505,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="longest decode of one video, in seconds",
     )
     generate = commands.add_parser("generate", help="write synthetic clips and their rows")
-    generate.add_argument("environment", choices=("video_mcqa", "video_segments"))
+    generate.add_argument("environment", choices=_row_generator_names(), help="an installed row generator")
     generate.add_argument("output", type=Path)
     generate.add_argument("--media-root", required=True, type=Path)
     generate.add_argument("-n", type=int, default=16, help="number of rows")
@@ -522,6 +525,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gym_video_
         source = args.input if args.command == "convert" else getattr(args, "rows", args.output)
         print(f"{prog} {args.command}: {_file_error(error, source)}", file=sys.stderr)
         return 2
+
+
+def _row_generator_names() -> list[str]:
+    """The names of the installed row generators (:data:`~gym_video_env.environments.ROW_GENERATORS_GROUP`)."""
+    return sorted(ep.name for ep in metadata.entry_points(group=ROW_GENERATORS_GROUP))
 
 
 def _file_error(error: BaseException, source: Path) -> str:

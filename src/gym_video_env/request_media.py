@@ -43,7 +43,6 @@ __all__ = [
     "MediaRequestError",
     "ToolOutputMediaPolicy",
     "chat_media_urls",
-    "count_media_parts",
     "name_media_error",
     "prepare_request_media",
     "relocate_tool_outputs",
@@ -139,19 +138,6 @@ def relocate_tool_outputs(
         replacement = pm.hook.relocate_tool_output_media(item=item, settings=settings)
         relocated += [item] if replacement is None else replacement
     return relocated
-
-
-def count_media_parts(items: Iterable[Any], part_type: str) -> int:
-    """How many ``part_type`` parts (e.g. ``"input_video"``) messages and tool outputs of ``items`` hold."""
-    count = 0
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        for key in ("content", "output"):
-            parts = item.get(key)
-            if isinstance(parts, list):
-                count += sum(1 for part in parts if isinstance(part, dict) and part.get("type") == part_type)
-    return count
 
 
 def chat_media_urls(messages: Iterable[Any]) -> list[str]:

@@ -7,10 +7,9 @@ so a run never writes outside the places a user expects.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
-__all__ = ["cache_dir", "gym_python", "gym_servers_root", "project_root", "uv_executable"]
+__all__ = ["cache_dir", "gym_python", "gym_servers_root", "project_root"]
 
 
 def project_root() -> Path:
@@ -49,12 +48,3 @@ def gym_python() -> Path:
     if env:
         return Path(env)
     return project_root() / "envs" / "gym" / ".venv" / "bin" / "python"
-
-
-def uv_executable() -> Path | None:
-    """The uv that ``scripts/setup`` pinned (``.cache/bootstrap/bin/uv``), else uv on ``PATH``, else None."""
-    pinned = project_root() / ".cache" / "bootstrap" / "bin" / "uv"
-    if pinned.is_file():
-        return pinned
-    found = shutil.which("uv")
-    return Path(found) if found else None

@@ -10,12 +10,13 @@ directory that holds no servers, with no ``NEMO_GYM_EXTRA_ROOTS``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from rl_bridge.paths import gym_python, project_root, uv_executable
+from rl_bridge.paths import gym_python, project_root
 
 pytestmark = pytest.mark.integration
 
@@ -39,10 +40,19 @@ def _run(argv: list[str], *, cwd: Path, timeout: float = 300) -> str:
     return completed.stdout
 
 
+def _uv() -> Path | None:
+    """The uv that ``scripts/setup`` pinned (``.cache/bootstrap/bin/uv``), else uv on ``PATH``, else None."""
+    pinned = project_root() / ".cache" / "bootstrap" / "bin" / "uv"
+    if pinned.is_file():
+        return pinned
+    found = shutil.which("uv")
+    return Path(found) if found else None
+
+
 @pytest.fixture(scope="module")
 def installed_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with nemo-gym 0.7.0 and this project's wheel in one site-packages."""
-    uv = uv_executable()
+    uv = _uv()
     assert uv is not None, "uv is needed to build and install the wheel offline; run scripts/setup"
     work = tmp_path_factory.mktemp("gym_wheel_install")
     _run([uv, "build", "--wheel", "--offline", "-o", str(work / "dist"), str(project_root())], cwd=work)

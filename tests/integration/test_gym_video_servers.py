@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 
 from gym_video_env.environments import WATCH_SEGMENT_TOOL_NAME, segment_tool_output, watch_segment_tool
 from gym_video_env.grading import final_assistant_text, grade_choice
-from gym_video_env.request_media import count_media_parts
 from tests.fixtures.gym_video import (
     CONTRACT_MODEL_SERVER,
     MCQA_AGENT,
@@ -29,6 +28,7 @@ from tests.fixtures.gym_video import (
     NUM_SEGMENTS,
     SEGMENTS_AGENT,
     GymVideoStack,
+    count_media_parts,
 )
 from vllm_video_plugin import compat
 

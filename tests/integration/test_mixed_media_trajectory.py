@@ -23,12 +23,12 @@ import requests
 import torch
 
 from gym_video_env import MediaSettings
-from video_grpo_demo.rows import video_last_segment_rows
-from video_grpo_demo.synthetic import ClipConfig
 from rl_bridge.policy_inputs import PolicyInputBuilder, RolloutInputs
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.gym_video import SEGMENTS_AGENT, GymVideoStack
+from video_grpo_demo.rows import video_last_segment_rows
+from video_grpo_demo.synthetic import ClipConfig
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -148,7 +148,8 @@ def test_one_megatron_step_on_image_and_video_turns(
     import dataclasses
 
     from rl_bridge.grpo import GRPOLossConfig
-    from rl_bridge.megatron.policy import GRPOPolicyLoss, MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     _, inputs, _ = mixed
     samples = [sample for rollout in inputs for sample in rollout.to_policy_samples(1.0)]

@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gym_video_env import MediaSettings
-from gym_video_env.request_media import MediaRequestError, count_media_parts, prepare_request_media
+from gym_video_env.request_media import MediaRequestError, prepare_request_media
 from rl_bridge.paths import cache_dir
+from tests.fixtures.gym_video import count_media_parts
 
 pytestmark = pytest.mark.unit
 

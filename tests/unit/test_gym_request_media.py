@@ -10,10 +10,10 @@ import pytest
 from gym_video_env import MediaSettings
 from gym_video_env.request_media import (
     MediaRequestError,
-    count_media_parts,
     prepare_request_media,
     relocate_tool_outputs,
 )
+from tests.fixtures.gym_video import count_media_parts
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gym_video_env.grading import final_assistant_text, grade_choice
-from gym_video_env.request_media import count_media_parts
+from tests.fixtures.gym_video import count_media_parts
 from video_grpo_demo.rows import video_segments_rows
 
 pytestmark = pytest.mark.unit

@@ -96,8 +96,10 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(run: tuple[dic
         # Sampled with the weights refitted after the previous step; vLLM's processed logprobs
         # (over the option letters) and the trainer's (over the same letters) in fp32.
         assert record["refit/weight_version"] == record["step"]
-        assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.01
-        assert record["mismatch/seq_mult_prob_error_max"] < 1.05
+        # Equal to float precision: the same positions on both sides (rl_bridge.megatron.mrope; with
+        # transformers' rule the trainer's text after the clip sat elsewhere and this was 1.001).
+        assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.00001
+        assert record["mismatch/seq_mult_prob_error_max"] < 1.0001
 
 
 def test_run_writes_curves_tensorboard_checkpoint_and_summary(run: tuple[dict, list[dict], Path]) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 
 from rl_bridge.megatron.cpu_support import cpu_execution_active, cpu_support_needed
+from rl_bridge.megatron.mrope import use_reference_rope_index
 from rl_bridge.megatron.qwen3_vl import QWEN3_VL_ARCHITECTURES, use_local_layers
 from rl_bridge.megatron.te_standin import import_megatron_bridge, transformer_engine_installed
 
@@ -249,6 +250,9 @@ def build_policy(
     for module in model:
         if qwen3:
             continue  # its megatron-core vision tower attends per frame already; recomputed with the LM
+        # Text after a video continues past the video's temporal positions, as vLLM and the released
+        # model place it (transformers 5's get_rope_index does not).
+        use_reference_rope_index(module)
         if not parallel_state.is_pipeline_first_stage():
             continue  # the vision tower lives on the first pipeline stage
         if vision_attention == "segment_batched":

@@ -67,8 +67,8 @@ def mixed(
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
     allowed = [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]
-    # The multi-turn recipe's clip size: at 56 x 56 the session's vLLM and the trainer disagree on
-    # a clip's logprobs by close to the tolerance, wherever the clip is (a separate issue).
+    # The multi-turn recipe's clip size. (At 56 x 56 the two used to disagree by close to the
+    # tolerance: the trainer's text positions after a clip, fixed in rl_bridge.megatron.mrope.)
     config = ClipConfig(width=112, height=112, num_frames=8, fps=4.0)
     results = []
     for seed, stills in enumerate(ORDERS):

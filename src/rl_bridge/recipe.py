@@ -526,6 +526,13 @@ class TrainSection(_Section):
     """Megatron's distributed optimizer (``PolicyConfig.distributed_optimizer``): master weights
     and Adam's moments sharded over the policy's data-parallel ranks; the same update. ``None``: on
     when the data-parallel size is above 1 (what the planner assumes)."""
+    optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Fraction of the optimizer (fp32 master weights, Adam's moments and its step) that lives and
+    steps in host memory (``PolicyConfig.optimizer_offload_fraction``: megatron-core's
+    ``HybridDeviceOptimizer``, torch's fused CPU AdamW); 0: none, 1: all. Each step copies the
+    offloaded part's gradients to pinned host memory and its updated weights back. Trades step
+    time (a CPU Adam over that part) for GPU memory; the planner counts that part as host memory.
+    Needs GPUs (CUDA streams) and the distributed optimizer (on by default when above 0)."""
     media_store_mb: PositiveInt = 2048
     """Bound on the trainer's processed media kept for reuse across samples and steps, MiB
     (:class:`rl_bridge.media_batch.MediaStore`, least recently used dropped first; a dropped clip
@@ -730,6 +737,19 @@ class Recipe(_Section):
                 f"train.recompute={self.train.recompute!r} needs GPUs (megatron-core's recomputation is "
                 "CUDA-only): set model.vllm_gpus and model.policy_gpus, or train.recompute=none"
             )
+        offload = self.train.optimizer_offload_fraction
+        if offload and self.model.num_gpus == 0:
+            raise ValueError(
+                f"train.optimizer_offload_fraction={offload} needs GPUs (megatron-core's "
+                "HybridDeviceOptimizer copies over CUDA streams): set model.vllm_gpus and "
+                "model.policy_gpus, or train.optimizer_offload_fraction=0"
+            )
+        if offload and self.train.distributed_optimizer is False:
+            raise ValueError(
+                f"train.optimizer_offload_fraction={offload} needs megatron-core's distributed "
+                "optimizer (its master weights live in the offloaded optimizer): set "
+                "train.distributed_optimizer to true or leave it unset"
+            )
         if self.warm_start.steps and self.task.environment != "agentic":
             raise ValueError(
                 f"warm_start.steps={self.warm_start.steps}: only task.environment='agentic' has "
@@ -816,9 +836,11 @@ class Recipe(_Section):
     @property
     def distributed_optimizer(self) -> bool:
         """Whether the policy shards its optimizer state (``train.distributed_optimizer``, by
-        default when the data-parallel size is above 1)."""
+        default when the data-parallel size is above 1 or the optimizer is offloaded)."""
         chosen = self.train.distributed_optimizer
-        return self.model.policy_data_parallel_size > 1 if chosen is None else chosen
+        if chosen is not None:
+            return chosen
+        return self.model.policy_data_parallel_size > 1 or self.train.optimizer_offload_fraction > 0
 
     def policy_config(self, token_support: Sequence[int] | None = None) -> PolicyConfig:
         """The Megatron policy's settings for this recipe: logprobs at the sampling temperature,
@@ -838,6 +860,7 @@ class Recipe(_Section):
             micro_batch_size=self.train.micro_batch_size,
             recompute=self.train.recompute,
             distributed_optimizer=self.distributed_optimizer,
+            optimizer_offload_fraction=self.train.optimizer_offload_fraction,
             temperature=self.rollout.temperature,
             token_support=tuple(token_support) if token_support is not None else None,
         )

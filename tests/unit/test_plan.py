@@ -21,7 +21,11 @@ from rl_bridge.recipe import load_recipe
 pytestmark = pytest.mark.unit
 
 RECIPES = project_root() / "recipes"
-CPU_RECIPES = sorted(path for path in RECIPES.glob("*.yaml") if not path.stem.endswith("gpu"))
+CPU_RECIPES = sorted(  # not _gpu, _1gpu, _1gpu_h100
+    path
+    for path in RECIPES.glob("*.yaml")
+    if not any(part.endswith("gpu") for part in path.stem.split("_")[-2:])
+)
 ONE_HOST = Hardware(nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB)
 """What the GPU recipes' headers ask for: one 8-GPU host (80 GiB GPUs: H100, A100-80GB)."""
 BIG_HOST = Hardware(nodes=1, gpus_per_node=8, gpu_memory_bytes=192 * GiB)

@@ -24,7 +24,9 @@ from video_grpo_demo.task import task_rows
 pytestmark = pytest.mark.unit
 
 RECIPES = sorted((project_root() / "recipes").glob("*.yaml"))
-GPU_RECIPES = [path for path in RECIPES if path.stem.endswith("gpu")]  # _gpu, _1gpu
+GPU_RECIPES = [  # _gpu, _1gpu, _1gpu_h100
+    path for path in RECIPES if any(part.endswith("gpu") for part in path.stem.split("_")[-2:])
+]
 CPU_RECIPES = [path for path in RECIPES if path not in GPU_RECIPES]
 
 
@@ -46,6 +48,7 @@ def test_the_recipes_are_there() -> None:
         "tiny_cpu_agentic.yaml",
         "qwen2_5_vl_3b_gpu.yaml",
         "qwen2_5_vl_3b_1gpu.yaml",
+        "qwen2_5_vl_3b_1gpu_h100.yaml",
         "qwen2_5_vl_7b_gpu.yaml",
         "nemotron_nano_omni_gpu.yaml",
     } <= names

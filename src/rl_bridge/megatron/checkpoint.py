@@ -45,6 +45,7 @@ def save_checkpoint(
     state = {
         "model": module.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "optimizer_parameters": _parameter_states(optimizer),
         "step": step,
         "rng": _rng_state(),
     }
@@ -93,8 +94,46 @@ def load_checkpoint(directory: str | Path, *, module: torch.nn.Module, optimizer
     state = torch.load(rank_path, map_location="cpu", weights_only=True)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if "optimizer_parameters" in state:  # not in checkpoints written before it was saved
+        _load_parameter_states(optimizer, state["optimizer_parameters"])
     _set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _parameter_states(optimizer: MegatronOptimizer) -> list[dict[Any, Any] | None]:
+    """Per inner optimizer, the distributed optimizer's master weights and moments (its own
+    ``state_dict`` leaves them out; a ``HybridDeviceOptimizer``'s included), as megatron-core's
+    ``get_parameter_state_dp_reshardable`` gives them; ``None`` for the other optimizers, whose
+    ``state_dict`` holds them."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    states: list[dict[Any, Any] | None] = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer):
+            states.append(None)
+            continue
+        state = inner.get_parameter_state_dp_reshardable()
+        for key, by_dtype in state.items():
+            if isinstance(key, int):  # a gradient buffer: {dtype: [bucket: [parameter's tensors]]}
+                for buckets in by_dtype.values():
+                    for bucket in buckets:
+                        for tensors in bucket:
+                            tensors["padding"] = False  # what the loader filters on, no padding here
+        states.append(state)
+    return states
+
+
+def _load_parameter_states(optimizer: MegatronOptimizer, states: list[dict[Any, Any] | None]) -> None:
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner, state in zip(inners, states, strict=True):
+        if state is None:
+            continue
+        with torch.no_grad():  # it copies into views of the parameters (fp32: the master weights)
+            inner.load_parameter_state_from_dp_reshardable(state)
+        if isinstance(inner.optimizer, HybridDeviceOptimizer):  # as megatron-core's own loaders do
+            inner.optimizer._sync_hdo_state_to_sub_optimizers()
 
 
 def _rng_state() -> dict[str, Any]:

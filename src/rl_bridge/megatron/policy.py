@@ -161,8 +161,10 @@ class MegatronPolicy:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the policy's state: ``parameters`` (in the compute dtype),
-        ``gradients`` (DDP's gradient buffers) and ``optimizer`` (fp32 master weights and Adam's
-        moments; Adam creates its moments at the first step)."""
+        ``gradients`` (DDP's gradient buffers), ``optimizer`` (fp32 master weights and Adam's
+        moments on the parameters' device; Adam creates its moments at the first step) and
+        ``optimizer_host`` (the part of them offloaded to host memory, with the pinned gradient copies
+        it steps on: ``PolicyConfig.optimizer_offload_fraction``)."""
         return state_bytes(self._model[0], self._optimizer)
 
     def memory_stats(self, *, reset: bool = False) -> dict[str, float]:

@@ -60,6 +60,11 @@ class PolicyConfig:
     """Megatron's distributed optimizer: the fp32 master weights and Adam's moments sharded over
     the data-parallel ranks (gradients reduce-scattered, parameters all-gathered after the step),
     the optimizer's memory divided by the data-parallel size. Same update as the replicated one."""
+    optimizer_offload_fraction: float = 0.0
+    """Fraction of the optimizer's parameters (by elements) whose fp32 master weights and Adam
+    moments live in host memory and step there (megatron-core's ``optimizer_cpu_offload``: its
+    ``HybridDeviceOptimizer``, with the precision-aware distributed optimizer); 0: none, 1: all.
+    Needs CUDA and ``distributed_optimizer``."""
     trainable: bool = True
     """``False``: a forward-only policy, such as the frozen reference of a KL term: no DDP gradient
     buffers, no optimizer, parameters in ``dtype`` without gradients (``dtype``'s bytes per
@@ -73,6 +78,16 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig: temperature must be > 0, got {self.temperature}")
         if self.token_support is not None and not self.token_support:
             raise ValueError("PolicyConfig: token_support must hold at least one token id (or be None)")
+        if not 0 <= self.optimizer_offload_fraction <= 1:
+            raise ValueError(
+                "PolicyConfig: optimizer_offload_fraction must be in [0, 1], got "
+                f"{self.optimizer_offload_fraction}"
+            )
+        if self.optimizer_offload_fraction and not self.distributed_optimizer:
+            raise ValueError(
+                "PolicyConfig: optimizer_offload_fraction > 0 needs distributed_optimizer=True "
+                "(megatron-core offloads the precision-aware distributed optimizer's state)"
+            )
         if self.learning_rate < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError(
                 f"PolicyConfig: learning_rate={self.learning_rate}, weight_decay={self.weight_decay} and "

@@ -14,7 +14,9 @@ P_expert / (EP * PP)``, which is ``P / (TP * PP)`` for a dense model):
   pipeline stage holds ``PP`` micro-batches of ``layers / PP`` layers, so ``PP`` cancels; the vision
   tower is replicated, not split by TP; Nemotron's encoders are not counted); with ``train.recompute:
   full`` each part's 17 becomes ``1 + 17 / its layers`` (every layer's input kept, one layer
-  recomputed at a time);
+  recomputed at a time); with ``train.optimizer_offload_fraction`` ``f`` the GPU keeps ``1 - f`` of
+  the optimizer and host memory holds ``f`` of it plus the pinned fp32 gradient copies it steps on
+  (``f * P_opt * 4``, ``P_opt`` the parameters the rank's optimizer steps): ``host_optimizer``;
 - reference (forward-only, when ``kl_coef > 0``) = ``P_local * b``, on the policy's GPUs;
 - vLLM replica = ``P * b / vllm_TP`` of weights, and in all ``gpu_memory_utilization * GPU
   memory``: the KV cache takes the rest of that fraction.
@@ -81,9 +83,13 @@ class MemoryEstimate:
     kv_cache: int = 0
     """vLLM: what ``gpu_memory_utilization`` reserves beyond the weights (KV cache and vLLM's own
     activations)."""
+    host_optimizer: int = 0
+    """Host memory, not the GPU's: the optimizer state offloaded by
+    ``train.optimizer_offload_fraction`` and the gradient copies it steps on (not in :attr:`total`)."""
 
     @property
     def total(self) -> int:
+        """Bytes on the GPU."""
         return self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
 
     def describe(self) -> str:
@@ -98,7 +104,8 @@ class MemoryEstimate:
             )
             if value
         ]
-        return f"{self.total / GiB:.1f} GiB ({' + '.join(parts)})"
+        host = f"; host memory: optimizer {self.host_optimizer / GiB:.1f}" if self.host_optimizer else ""
+        return f"{self.total / GiB:.1f} GiB ({' + '.join(parts)}{host})"
 
 
 def _video_tokens_per_sample(recipe: Recipe) -> int:
@@ -131,9 +138,12 @@ def estimate_policy_memory(
     optimizer_bytes = (4 if b == 2 else 0) + 8  # fp32 master weights (half precision only), 2 moments
     if distributed_optimizer:
         expert_data_parallel = max(model.policy_gpus // (ep * pp), 1)
-        optimizer = optimizer_bytes * (dense_local / dp + expert_local / expert_data_parallel)
+        stepped = dense_local / dp + expert_local / expert_data_parallel
     else:
-        optimizer = optimizer_bytes * local
+        stepped = local
+    offloaded = recipe.train.optimizer_offload_fraction * stepped
+    optimizer = optimizer_bytes * (stepped - offloaded)
+    host_optimizer = optimizer_bytes * offloaded + 4 * offloaded  # + the fp32 gradients it steps on
     micro_batch = recipe.train.micro_batch_size
     language_elements = micro_batch * _tokens_per_sample(recipe) * shape.hidden_size * shape.num_layers / tp
     patches = micro_batch * _video_tokens_per_sample(recipe) * shape.patches_per_token
@@ -147,7 +157,14 @@ def estimate_policy_memory(
         per_element = [ACTIVATION_BYTES_PER_ELEMENT] * 2
     elements = language_elements * per_element[0] + vision_elements * per_element[1]
     activations = elements * b * ACTIVATION_MEASURED_FACTOR
-    return MemoryEstimate("policy", round(local * b), round(local * 4), round(optimizer), round(activations))
+    return MemoryEstimate(
+        "policy",
+        round(local * b),
+        round(local * 4),
+        round(optimizer),
+        round(activations),
+        host_optimizer=round(host_optimizer),
+    )
 
 
 def estimate_vllm_memory(model: ModelSection, shape: ModelShape, hardware: Hardware | None) -> MemoryEstimate:
@@ -205,5 +222,7 @@ def check_gpu_memory(
             f"a policy GPU needs about {need / GiB:.1f} GiB ({breakdown}), over the GPU memory of "
             f"{gpu / GiB:.1f} GiB: use more policy GPUs (TP, PP, EP, or DP with the distributed "
             f"optimizer), a smaller train.micro_batch_size (now {recipe.train.micro_batch_size}), "
-            f"train.recompute=full (now {recipe.train.recompute}), or GPUs with more memory"
+            f"train.recompute=full (now {recipe.train.recompute}), the optimizer in host memory "
+            f"(train.optimizer_offload_fraction, now {recipe.train.optimizer_offload_fraction}), or GPUs "
+            "with more memory"
         )

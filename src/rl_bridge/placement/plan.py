@@ -39,6 +39,9 @@ class Plan:
     vllm_memory: MemoryEstimate
     policy_memory: MemoryEstimate
     reference_memory: MemoryEstimate | None
+    optimizer_offload_fraction: float = 0.0
+    """Of each policy rank's optimizer state, the fraction in host memory
+    (``train.optimizer_offload_fraction``; ``policy_memory.host_optimizer`` holds its bytes)."""
 
     @property
     def vllm_devices(self) -> frozenset[Device]:

@@ -80,6 +80,7 @@ def plan_placement(recipe: Recipe, hardware: Hardware, *, distributed_optimizer:
         vllm_memory=vllm_memory,
         policy_memory=policy_memory,
         reference_memory=reference_memory,
+        optimizer_offload_fraction=recipe.train.optimizer_offload_fraction,
     )
 
 

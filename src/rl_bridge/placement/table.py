@@ -11,7 +11,9 @@ __all__ = ["format_plan"]
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table: role, replica/rank, devices, parallel group, memory (GiB)."""
     shape = plan.shape
-    optimizer = "distributed" if plan.distributed_optimizer else "replicated"
+    optimizer = "distributed optimizer" if plan.distributed_optimizer else "replicated optimizer"
+    if plan.optimizer_offload_fraction:
+        optimizer += f", {plan.optimizer_offload_fraction:.0%} of its state in host memory"
     lines = [
         f"placement: {plan.placement}    hardware: {plan.hardware.describe()}",
         f"model: {_count(shape.language_parameters)} language"
@@ -21,7 +23,7 @@ def format_plan(plan: Plan) -> str:
         f"attention / {shape.num_key_value_heads} KV heads, vocabulary {shape.vocab_size}",
         f"vLLM: {len(plan.vllm)} replica(s) x TP {plan.vllm[0].tensor_parallel}    policy: "
         f"TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP {plan.data_parallel}, "
-        f"EP {plan.expert_parallel}, {optimizer} optimizer"
+        f"EP {plan.expert_parallel}, {optimizer}"
         + ("    reference policy on the policy ranks" if plan.reference else ""),
         "",
     ]

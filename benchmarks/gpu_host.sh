@@ -10,7 +10,8 @@
 #   tiny_bf16  the embedded default recipe colocated on the GPU in bf16 (vLLM CUDA, Megatron, sleep
 #              mode, in-memory ipc refit), until held-out accuracy >= 0.9; token mismatch per step
 #   tiny_fp32  the same in fp32, 2 steps: the mismatch at full precision
-#   r3b        recipes/qwen2_5_vl_3b_1gpu.yaml: 5 steps of the 3B-shaped model, stage by stage
+#   r3b        recipes/qwen2_5_vl_3b_1gpu.yaml: 5 steps of the 3B-shaped model, stage by stage (141 GB)
+#   r3b_h100   recipes/qwen2_5_vl_3b_1gpu_h100.yaml: the same on an 80 GB card, optimizer on the host
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
 #   load_tiny  the same with the tiny model
@@ -36,7 +37,7 @@ job() {  # job NAME LIMIT_S COMMAND...
   shift 2
   echo "=== $name start $(date +%T)" | tee -a "$out/progress"
   t0=$(date +%s)
-  timeout -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -k 20 "$limit" bash -c '"$@"' "$name" "$@" > "$out/$name.log" 2>&1  # functions too (exported)
   rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s; GPU memory in use after: $(nvidia-smi \
     --query-gpu=memory.used --format=csv,noheader)" | tee -a "$out/progress"
@@ -55,12 +56,14 @@ tiny() {  # tiny DTYPE OVERRIDES...: the default recipe, colocated on one GPU
   keep_run "runs/tiny_gpu_$dtype" "tiny_$dtype"
   return $rc
 }
-r3b() {
-  video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml
+r3b() {  # r3b RECIPE_NAME: a one-GPU 3B recipe, its run dir named as the recipe
+  video-grpo train --overwrite -r "recipes/$1.yaml"
   local rc=$?
-  keep_run runs/qwen2_5_vl_3b_1gpu qwen2_5_vl_3b_1gpu
+  keep_run "runs/$1" "$1"
   return $rc
 }
+export -f tiny r3b keep_run
+export out
 
 { nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; } \
   > "$out/host.txt" 2>&1
@@ -69,7 +72,8 @@ for name in "${jobs[@]}"; do
     sanity) job sanity 300 "$py" examples/serve_and_query.py ;;
     tiny_bf16) job tiny_bf16 600 tiny bfloat16 validation.stop_at_target=true ;;
     tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
-    r3b) job r3b 900 r3b ;;
+    r3b) job r3b 900 r3b qwen2_5_vl_3b_1gpu ;;
+    r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --json "$out/rollout_h200.json" ;;
     load_3b) job load_3b 600 "$py" benchmarks/load.py --model qwen2.5-vl-3b --loaders video_grpo,opencv \
       --json "$out/load_h200_3b.json" ;;

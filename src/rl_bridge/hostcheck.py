@@ -10,6 +10,7 @@ host's Python before this package is installed there::
     python3 hostcheck.py wheels WHEELHOUSE SET        # the wheel paths of set ``main`` or ``gym``
     python3 hostcheck.py imports WHEELHOUSE SET       # the modules to import in set ``main`` or ``gym``
     python3 hostcheck.py info WHEELHOUSE KEY          # a host field of the manifest (python, torch)
+    python3 hostcheck.py image-site                   # this Python's venv site-packages, if it is a venv
 
 Torch counts as unchanged when the version and the resolved location of its ``__init__.py`` are
 both the image's: a venv that shadows the image's torch with another build fails even when the
@@ -30,6 +31,7 @@ __all__ = [
     "probe_torch",
     "sha256_file",
     "verify_parts",
+    "venv_site_dirs",
     "verify_wheelhouse",
 ]
 
@@ -109,6 +111,19 @@ def verify_wheelhouse(wheelhouse: Path) -> list[str]:
     return problems
 
 
+def venv_site_dirs() -> list[str]:
+    """The site-packages of the venv this interpreter runs in (none outside a venv). Images often
+    install torch into a venv (``/opt/torch/.venv``, say); a venv made from that interpreter with
+    ``--system-site-packages`` reaches the base installation's packages, not the image venv's, so
+    install.sh lists these in a ``.pth`` file of each venv it makes."""
+    if sys.prefix == sys.base_prefix:
+        return []
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 def main(argv: list[str]) -> int:
     command, *rest = argv or ["help"]
     if command == "probe-torch":
@@ -132,6 +147,9 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "imports":
         print(" ".join(_manifest(Path(rest[0]))["import_checks"][rest[1]]))
+        return 0
+    if command == "image-site":
+        print("\n".join(venv_site_dirs()))
         return 0
     if command == "info":
         print(_manifest(Path(rest[0]))["host"][rest[1]])

@@ -76,3 +76,40 @@ def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp
         check=False,
     )
     assert run.returncode != 0 and "damaged" in run.stderr
+
+
+def test_install_sees_the_torch_of_an_image_whose_python_is_a_venv(tmp_path: Path) -> None:
+    """Images often keep torch in a venv (the H200's: ``/opt/torch/.venv``). A venv made from that
+    Python with ``--system-site-packages`` reaches only the base installation, where there is no
+    torch: install.sh must list the image venv's site-packages in each venv it makes."""
+    python = _base_python()
+    image = tmp_path / "image-venv"
+    subprocess.run([python, "-m", "venv", image], check=True, timeout=120)
+    site = subprocess.run(
+        [image / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text('__version__ = "2.11.0+venv"\n')
+    src = tmp_path / "src"
+    src.mkdir()
+    wheel = make_wheel(src, "alpha", "1.0", {"alpha/__init__.py": b"import torch\n"})
+    out = tmp_path / "house"
+    write_wheelhouse(
+        out,
+        HostSpec("3.12", "2.11.0", frozenset({"torch"})),
+        [(wheel, Wheel(wheel.name, "alpha", "1.0", ["main"]))],
+        jobs=1,
+        import_checks={"main": ["alpha", "torch"], "gym": []},
+        log=lambda _: None,
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    prefix = tmp_path / "prefix"
+    run = subprocess.run(
+        [out / "install.sh", prefix], capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "PYTHON": str(image / "bin" / "python")},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "main: imports ok (alpha torch)" in run.stdout
+    probe = json.loads((prefix / ".torch-main.json").read_text())
+    assert probe == {"version": "2.11.0+venv", "path": str((Path(site) / "torch" / "__init__.py").resolve())}

@@ -213,6 +213,28 @@ def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
         assert [type(info).__name__ for info in made] == ["GlooTrainerInitInfo", "IPCTrainerInitInfo", "NCCLTrainerInitInfo"]
 
 
+@pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))
+def test_the_ipc_buffer_holds_the_largest_tensor_of_the_export(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's packed_ipc_producer refuses a tensor larger than its one buffer (a Qwen2.5-VL-3B
+    embedding, 594 MiB, against 256 MiB buckets stopped the first H200 run at its first refit)."""
+    monkeypatch.setattr(compat, "installed_version", lambda: release)
+    sizes: list[int] = []
+    record = lambda info, **kw: sizes.append(info.packed_buffer_size_bytes)  # noqa: E731
+    monkeypatch.setattr(compat, "trainer_factory_init", record)
+    monkeypatch.setattr(
+        IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **_: record(info))
+    )
+    embedding = ("model.embed_tokens.weight", torch.zeros(1000, 300, dtype=torch.bfloat16))  # 600,000 B
+    for weights, expected in ((WEIGHTS, 1 << 16), ([*WEIGHTS, embedding], 600_000)):
+        sync._trainer_engine(
+            "ipc", client=Client(), source=PolicyWeightSource(lambda weights=weights: iter(weights)), rank=0,
+            master_address="h", master_port=1, world_size=2, bucket_bytes=1 << 16, timeout_s=5.0,
+        )  # fmt: skip
+        assert sizes.pop() == expected
+
+
 class VersionlessServer:
     """A vLLM 0.26 server's answers to the refit client: no weight-version routes."""
 

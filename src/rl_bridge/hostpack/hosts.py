@@ -48,7 +48,10 @@ MAIN_SKIP: dict[str, str] = {
     r"tilelang": "TileLang kernels for some quantized and MoE paths",
     r"z3-solver": "constraint solver used by TileLang's compiler",
     r"pynvvideocodec": "NVDEC video decoding; this package decodes video with PyAV",
-    r"nvidia-cutlass-dsl-libs-cu1[23]": "CuTe DSL kernel libraries (FlashAttention-4 and quack kernels)",
+    r"nvidia-cutlass-dsl(-libs-.*)?": (
+        "CuTe DSL (FlashAttention-4 and quack kernels); without its CUDA-flavour library flashinfer's "
+        "import of it raises instead of falling back, which broke `import megatron.core` on the H200"
+    ),
     r"nvidia-.*-cu12": "CUDA 12 runtime libraries; the image's CUDA libraries are used",
     r"nvidia-cuda-(nvcc|crt|nvdisasm|cccl)": "CUDA compiler toolchain for JIT kernel builds",
     r"nvidia-nvvm": "CUDA compiler toolchain for JIT kernel builds",

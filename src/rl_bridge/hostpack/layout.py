@@ -184,6 +184,10 @@ for set in main gym; do
   [ "${#wheels[@]}" -gt 0 ] || continue
   venv=$prefix/$set
   [ -x "$venv/bin/python" ] || "$python" -m venv --system-site-packages --without-pip "$venv"
+  # An image whose Python is itself a venv (torch in /opt/torch/.venv, say): --system-site-packages
+  # reaches only the base installation, so the image venv's site-packages go in a .pth file.
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  check image-site > "$site/_image_site.pth"
   echo "installing ${#wheels[@]} wheels into $venv"
   # --ignore-requires-python: nemo-gym declares a newer Python than it needs (the wheels were chosen
   # for this Python when the wheelhouse was built).

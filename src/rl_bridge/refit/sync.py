@@ -22,6 +22,7 @@ is a collective); global rank 0 is the sender.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 import urllib.parse
@@ -48,7 +49,7 @@ from rl_bridge.refit.legacy_engines import (
 from vllm_video_plugin import compat
 from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
-__all__ = ["Backend", "PolicyWeightSource", "WeightSync", "sender_address"]
+__all__ = ["Backend", "PolicyWeightSource", "WeightSync", "ipc_buffer_bytes", "sender_address"]
 
 
 class PolicyWeightSource(WeightSource):
@@ -141,6 +142,15 @@ class WeightSync:
             self.engine = None
 
 
+def ipc_buffer_bytes(source: WeightSource, bucket_bytes: int) -> int:
+    """The size of a rank's packed ``ipc`` buffer: ``bucket_bytes``, or the export's largest tensor
+    where that is larger. vLLM's ``packed_ipc_producer`` packs into one buffer and refuses a larger
+    tensor (the NCCL packer sends one whole); a Qwen2.5-VL-3B embedding is 594 MiB against the
+    default 256 MiB buckets. Reads the source's metadata (one export pass, a collective, cached)."""
+    largest = max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
+    return max(bucket_bytes, largest)
+
+
 def _trainer_engine(
     backend: Backend,
     *,
@@ -168,6 +178,7 @@ def _trainer_engine(
     elif backend == "ipc":
         # No rendezvous: every rank shares its buffer's handle, rank 0 ships them all (vLLM's
         # workers pick the one of their GPU). Packed: one bucket-sized buffer per rank.
+        bucket_bytes = ipc_buffer_bytes(source, bucket_bytes)
         if not compat.has_stock_trainer_engine("ipc"):
             return IPCLegacyTrainerWeightTransferEngine.trainer_init(
                 IPCLegacyTrainerInitInfo(rank=rank, packed_buffer_size_bytes=bucket_bytes),

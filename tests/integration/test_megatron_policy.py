@@ -403,9 +403,11 @@ def test_resume_restores_the_distributed_optimizers_state(
     megatron_runtime: None, tiny_qwen25vl: Path, samples: list[PolicySample], tmp_path: Path
 ) -> None:
     """megatron-core's distributed optimizer leaves its master weights and moments out of its
-    ``state_dict``; the checkpoint saves them beside it (an offloading optimizer's the same way).
-    The resumed policy's Adam state equals the saved one. (Its next step is not yet bitwise the
-    uninterrupted one's, as the replicated optimizer's is: open.)"""
+    ``state_dict`` and, without Apex or Transformer Engine, loads one ``step`` tensor shared by
+    every parameter (each parameter's update then advanced it: the bias correction ran as if ~50
+    steps had passed). The checkpoint saves the first beside the state dict and gives every
+    parameter its own step: the resumed Adam state equals the saved one and the next step is
+    bitwise the uninterrupted one's."""
     loss_fn = GRPOPolicyLoss(GRPOLossConfig())
     config = policy_config(distributed_optimizer=True)
     policy = MegatronPolicy(tiny_qwen25vl, config)
@@ -413,6 +415,7 @@ def test_resume_restores_the_distributed_optimizers_state(
     batch = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, logprobs, strict=True)]
     policy.train_step(batch, loss_fn)
     checkpoint = policy.save_checkpoint(tmp_path / "checkpoint")
+    rng_at_save = torch.get_rng_state()
 
     resumed = MegatronPolicy(tiny_qwen25vl, config)
     assert resumed.load_checkpoint(checkpoint) == 1
@@ -427,6 +430,22 @@ def test_resume_restores_the_distributed_optimizers_state(
         assert saved.state[before].keys() == loaded.state[after].keys() == {"step", "exp_avg", "exp_avg_sq"}
         for key, value in saved.state[before].items():
             assert torch.equal(loaded.state[after][key], value), key
+    steps = [state["step"] for state in loaded.state.values()]
+    assert len({step.untyped_storage().data_ptr() for step in steps}) == len(steps)
+
+    torch.set_rng_state(rng_at_save)  # both continue from the saved generator state
+    current = policy.logprobs(batch)
+    batch = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(batch, current, strict=True)]
+    expected = policy.train_step(batch, loss_fn)
+    expected_weights = cloned_weights(policy)
+    torch.set_rng_state(rng_at_save)
+    metrics = resumed.train_step(batch, loss_fn)
+    assert metrics.step == expected.step == 2
+    assert (metrics.loss, metrics.grad_norm) == (expected.loss, expected.grad_norm)
+    weights = dict(resumed.export_hf_weights())
+    mismatched = [name for name, tensor in expected_weights.items() if not torch.equal(weights[name], tensor)]
+    assert not mismatched, f"weights differ after the resumed step: {mismatched}"
+
 
 # Two gloo ranks, each holding half of a padded 12-column vocabulary (the real one has 11 tokens).
 _VOCAB_PARALLEL_WORKER = """

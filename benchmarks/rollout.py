@@ -35,6 +35,7 @@ minutes on two cores)::
 
     envs/main/.venv/bin/python benchmarks/rollout.py --recipe recipes/tiny_cpu_sync.yaml \\
         --prompts 2 --group-size 2 --max-tokens 8 --seed-samples 2 rollout.restrict_to_options=false \\
+        task.answer_format=boxed \\
         --json /tmp/rollout_cpu.json
 
 On a GPU host (defaults: ``recipes/qwen2_5_vl_3b_1gpu.yaml``, 16 prompts x 8 samples, 64 tokens)::

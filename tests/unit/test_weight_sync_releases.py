@@ -290,3 +290,19 @@ def test_against_a_server_with_weight_versions_the_server_keeps_them(monkeypatch
     client.update_weight_version("step-1")
     assert client.weight_version() == "from-server"
     assert ("/update_weight_version", {"new_version": "step-1"}) in calls
+
+
+def test_send_reports_the_exports_bytes_where_the_engine_keeps_no_record() -> None:
+    """vLLM's ``ipc`` engines keep no per-send record: the refit's bytes are the export's size."""
+
+    class Recordless:
+        is_sender = True
+
+        def send_weights(self) -> None:
+            pass
+
+    weight_sync = sync.WeightSync(lambda: iter(WEIGHTS))
+    weight_sync.engine = Recordless()
+    assert "refit/bytes" not in weight_sync.send()  # no export pass is started for the figure
+    weight_sync.source.metadata()
+    assert weight_sync.send()["refit/bytes"] == sum(t.numel() * t.element_size() for _, t in WEIGHTS)

@@ -67,6 +67,13 @@ class PolicyWeightSource(WeightSource):
             self._meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._export()]
         return self._meta
 
+    def known_bytes(self) -> int | None:
+        """The export's size in bytes once :meth:`metadata` has run (``None`` before: no export
+        pass is started for it)."""
+        if self._meta is None:
+            return None
+        return sum(math.prod(m.shape) * m.dtype.itemsize for m in self._meta)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._export())
 
@@ -123,7 +130,8 @@ class WeightSync:
 
     def send(self) -> dict[str, float]:
         """Send the current weights (every rank calls it). Returns the sender's figures
-        (``refit/bytes``, ``refit/buckets``, ``refit/transfer_s``; empty on other ranks)."""
+        (``refit/bytes``, ``refit/buckets``, ``refit/transfer_s``; empty on other ranks). Engines that
+        keep no per-send record (vLLM's ``ipc``) report the export's size as ``refit/bytes``."""
         if self.engine is None:
             raise RuntimeError("WeightSync.send before connect()")
         started = time.monotonic()
@@ -134,6 +142,8 @@ class WeightSync:
         figures = {"refit/transfer_s": time.monotonic() - started}
         if last is not None:
             figures |= {"refit/bytes": float(last.bytes), "refit/buckets": float(last.buckets)}
+        elif (size := self.source.known_bytes()) is not None:
+            figures["refit/bytes"] = float(size)
         return figures
 
     def close(self) -> None:

@@ -74,7 +74,7 @@ for name in "${jobs[@]}"; do
     tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
     r3b) job r3b 900 r3b qwen2_5_vl_3b_1gpu ;;
     r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
-    rollout) job rollout 900 "$py" benchmarks/rollout.py --json "$out/rollout_h200.json" ;;
+    rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     load_3b) job load_3b 600 "$py" benchmarks/load.py --model qwen2.5-vl-3b --loaders video_grpo,opencv \
       --json "$out/load_h200_3b.json" ;;
     load_tiny) job load_tiny 480 "$py" benchmarks/load.py --model tiny --frames 32 --loaders video_grpo,opencv \

@@ -50,13 +50,19 @@ from vllm_video_plugin.decode import DEFAULT_LIMITS, DecodeLimits
 
 __all__ = ["MaskReason", "PolicyInputBuilder", "RolloutInputs", "SequenceInputs", "TrainedTurns"]
 
-MaskReason = TrajectoryErrorReason | MediaLoadReason | Literal["placeholder_mismatch", "constraint_mismatch"]
+MaskReason = (
+    TrajectoryErrorReason
+    | MediaLoadReason
+    | Literal["placeholder_mismatch", "generated_media_token", "constraint_mismatch"]
+)
 
 TrainedTurns = Literal["all", "last"]
 """Which model turns of a trajectory are trained (see :class:`PolicyInputBuilder`)."""
 """Why a sample is masked: a trajectory violation, media that cannot be processed, a turn whose
-placeholder tokens disagree with its media, or a generated token the replayed structured-outputs
-grammar does not allow (the trainer's grammar is not the one vLLM decoded with)."""
+placeholder tokens disagree with its media, a generated media placeholder token (vLLM embeds a
+generated token as text; the policy's model puts media features at every placeholder id, so it
+cannot replay the sample), or a generated token the replayed structured-outputs grammar does not
+allow (the trainer's grammar is not the one vLLM decoded with)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,6 +208,17 @@ class PolicyInputBuilder:
             trajectory = rollout if isinstance(rollout, Trajectory) else parse_rollout(rollout)
         except TrajectoryError as error:
             return self._count(_masked(error.reason, str(error)))
+        placeholders = self.processor.placeholder_token_ids
+        for turn in trajectory.turns:
+            generated = [i for i, token in enumerate(turn.generation_ids) if token in placeholders]
+            if generated:
+                token = turn.generation_ids[generated[0]]
+                detail = (
+                    f"turn {turn.index} (output[{turn.item_index}]) generated the media placeholder token "
+                    f"{token} ({len(generated)} time(s), first at generated position {generated[0]}): vLLM "
+                    "embedded it as text, the policy's model would read it as a media slot"
+                )
+                return self._count(_masked("generated_media_token", detail, trajectory))
         processed: dict[int, list[ProcessedMedia]] = {}
         problems: list[tuple[Turn, str]] = []
         for turn in trajectory.turns:
@@ -209,9 +226,7 @@ class PolicyInputBuilder:
                 processed[turn.index] = [self.store.get(part) for part in turn.new_prompt_media]
             except MediaLoadError as error:
                 return self._count(_masked(error.reason, str(error), trajectory))
-            problem = check_placeholders(
-                turn.new_prompt_ids, processed[turn.index], self.processor.placeholder_token_ids
-            )
+            problem = check_placeholders(turn.new_prompt_ids, processed[turn.index], placeholders)
             self.metrics.count_turn(problem is None)
             if problem is not None:
                 problems.append((turn, problem))

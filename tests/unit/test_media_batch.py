@@ -202,6 +202,23 @@ def test_a_trajectory_with_a_clip_removed_is_masked_and_counted(
     assert metrics["media/placeholder_turns_checked"] == 4 and metrics["media/placeholder_turns_passed"] == 3
 
 
+def test_a_generated_media_placeholder_token_masks_the_sample(
+    processor: QwenVLProcessor, media: dict[str, Path]
+) -> None:
+    """A random-weight 3B policy sampled the video placeholder id on the GPU (step 5 of 16 x 8): the
+    trainer's collate then found 1,025 placeholders for 1,024 video tokens and the run stopped."""
+    builder = _builder(processor, media["prompt"].parent)
+    record = _rollout(processor, builder.store, media["prompt"], [media["left"]])
+    record["response"]["output"][-1]["generation_token_ids"] = [40, processor.video_token_id, 42]
+    masked = builder.build(record)  # never raises
+
+    assert masked.mask_reason == "generated_media_token"
+    assert masked.to_policy_samples(advantage=1.0) == []
+    assert masked.mask_detail is not None and masked.mask_detail.startswith("turn 1 (output[3]) generated")
+    assert f"token {processor.video_token_id} (1 time(s), first at generated position 1)" in masked.mask_detail
+    assert builder.metrics.as_dict()["media/masked/generated_media_token"] == 1
+
+
 def test_unloadable_media_are_masked_with_their_reason(
     processor: QwenVLProcessor, media: dict[str, Path], tmp_path: Path
 ) -> None:

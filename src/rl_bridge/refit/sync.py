@@ -72,13 +72,17 @@ class PolicyWeightSource(WeightSource):
         pass is started for it)."""
         if self._meta is None:
             return None
-        return sum(math.prod(m.shape) * m.dtype.itemsize for m in self._meta)
+        return sum(map(_nbytes, self._meta))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._export())
 
 
 Backend = Literal["video_grpo_gloo", "nccl", "ipc"]
+
+
+def _nbytes(meta: ParamMeta) -> int:
+    return math.prod(meta.shape) * meta.dtype.itemsize
 
 
 def sender_address(base_url: str) -> str:
@@ -157,7 +161,7 @@ def ipc_buffer_bytes(source: WeightSource, bucket_bytes: int) -> int:
     where that is larger. vLLM's ``packed_ipc_producer`` packs into one buffer and refuses a larger
     tensor (the NCCL packer sends one whole); a Qwen2.5-VL-3B embedding is 594 MiB against the
     default 256 MiB buckets. Reads the source's metadata (one export pass, a collective, cached)."""
-    largest = max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
+    largest = max(map(_nbytes, source.metadata()), default=0)
     return max(bucket_bytes, largest)
 
 

@@ -183,6 +183,63 @@ def reset_caches(base_url: str) -> dict[str, int]:
     return status
 
 
+# -- where the CPU goes ------------------------------------------------------------------------------------
+
+
+def process_role(proc: Any) -> str:
+    """A short name for one of the benchmark's processes: the vLLM API server, its engine core, a
+    Gym server (its directory: ``video_vllm_model``, ``video_tools_agent``, ...), or the client."""
+    try:
+        if proc.pid == os.getpid():
+            return "client (this process)"
+        cmdline = " ".join(proc.cmdline())
+        if "vllm.entrypoints" in cmdline or " serve " in cmdline:
+            return "vllm api server"
+        if proc.name().startswith("VLLM::") or "VLLM::" in cmdline:
+            return "vllm " + proc.name().removeprefix("VLLM::").lower()
+        if cmdline.endswith("app.py") or " app.py" in cmdline:
+            return "gym " + Path(proc.cwd()).name
+        return proc.name()
+    except Exception:  # noqa: BLE001 (a process that exits while being looked at has no role)
+        return "other"
+
+
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of this process and every descendant, with its role."""
+    import psutil
+
+    me = psutil.Process()
+    snapshot: dict[int, tuple[str, float]] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            snapshot[proc.pid] = (process_role(proc), times.user + times.system)
+        except psutil.Error:
+            continue
+    return snapshot
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], wall_s: float) -> dict[str, dict[str, float]]:
+    """CPU seconds each role spent since ``before`` and their share of the wall time (1.0: one core
+    busy the whole batch; a single-threaded server near 1.0 is what bounds the batch)."""
+    used: dict[str, float] = {}
+    for pid, (role, cpu) in cpu_snapshot().items():
+        spent = cpu - before.get(pid, (role, 0.0))[1]
+        if spent > 0:
+            used[role] = used.get(role, 0.0) + spent
+    return {
+        role: {"cpu_s": round(cpu, 3), "cores_busy": round(cpu / wall_s, 3)}
+        for role, cpu in sorted(used.items(), key=lambda item: -item[1])
+    }
+
+
+def cpu_line(cpu: dict[str, dict[str, float]]) -> str:
+    """:func:`cpu_by_role`'s figures on one line."""
+    return "CPU s (cores busy) " + ", ".join(
+        f"{role} {v['cpu_s']:.2f} ({v['cores_busy']:.2f})" for role, v in cpu.items()
+    )
+
+
 # -- ours and seed: vLLM server + Gym ------------------------------------------------------------------
 
 
@@ -196,9 +253,11 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
         timeout_s=recipe.rollout.timeout_s,
     )
     before = scrape(base_url)
+    cpu_before = cpu_snapshot()
     started = time.perf_counter()
     results, stats = collect_rollouts(agent_url, rows, settings)
     wall = time.perf_counter() - started
+    cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(base_url))
     ok = sum(res.outcome in ("ok", "policy_fault") for res in results)
     generated = metrics.get("generation_tokens_total", float("nan"))
@@ -216,6 +275,7 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
         "generated_tokens_per_s": generated / wall,
         "prompt_tokens_per_sample": metrics.get("prompt_tokens_total", float("nan")) / requests_done,
         "vllm_metrics": metrics,
+        "cpu_by_process": cpu,
     }
 
 
@@ -422,9 +482,11 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     started = time.perf_counter()
     llm.generate(warm_inputs, params, use_tqdm=False)
     out["warmup"] = {"samples": r.group_size, "wall_s": time.perf_counter() - started}
+    cpu_before = cpu_snapshot()
     started = time.perf_counter()
     outputs = llm.generate(timed_inputs, params, use_tqdm=False)
     wall = time.perf_counter() - started
+    cpu = cpu_by_role(cpu_before, wall)
     samples = sum(len(o.outputs) for o in outputs)
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     out["full"] = {
@@ -438,6 +500,7 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
         "sampling": f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
         f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None})",
+        "cpu_by_process": cpu,
     }
     return out
 
@@ -469,6 +532,8 @@ def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
         f"{full['samples']} samples in {full['wall_s']:.2f} s, {full['samples_per_s']:.2f} samples/s",
         flush=True,
     )
+    if full.get("cpu_by_process"):
+        print(f"[stock] {cpu_line(full['cpu_by_process'])}", flush=True)
     return out
 
 
@@ -637,6 +702,9 @@ def main() -> int:
             if m:
                 keys = [k for k in m if k.endswith(("_mean_s", "_hit_rate"))]
                 print(f"{name} {label}: " + ", ".join(f"{k} {m[k]:.3f}" for k in keys))
+            cpu = results.get(name, {}).get(label, {}).get("cpu_by_process")
+            if cpu:
+                print(f"{name} {label}: {cpu_line(cpu)}")
     report = {
         "command": command,
         "host": host_info(),

@@ -16,6 +16,11 @@ configurations, vLLM started afresh for each (start times reported apart, never 
   --mm-processor-cache-gb 0``. One sequence at a time is slow, so only the first
   ``--seed-samples`` rows of the batch are timed (the first prompts' groups); ratios against it are
   per sample, and ours is timed on exactly that subset too (the like-for-like ratio).
+- **direct**: ours' vLLM server with no Gym in front: the chat completions Gym's model server sends
+  vLLM for the same rows (token-id capture: the chosen token's logprob, prompt and generated ids;
+  the clips as ``file://`` URLs) posted straight to ``/v1/chat/completions``, as many at once as
+  ``rollout.max_in_flight``. Not a way to run the loop: it splits ours' time between vLLM and the
+  Gym path (agents, model server, verifier, HTTP hops).
 - **stock**: ``vllm.LLM`` with vLLM's default engine settings (same dtype, context length and video
   limit; stock video loading is replaced by frames decoded beforehand with PyAV, the same frames the
   checkpoint's sampling contract picks), ``LLM.generate`` on the same prompts (the processor's chat
@@ -56,6 +61,7 @@ import sys
 import time
 import traceback
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,7 +69,7 @@ from typing import Any
 import requests
 
 DEFAULT_RECIPE = "recipes/qwen2_5_vl_3b_1gpu.yaml"
-CONFIGS = ("ours", "seed", "stock")
+CONFIGS = ("ours", "seed", "direct", "stock")
 #: NeMo RL's video-recipe vLLM settings (with ``enforce_eager``), as vLLM's server flags.
 SEED_ARGS = (
     "--max-num-seqs",
@@ -279,6 +285,90 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
     }
 
 
+def chat_request(row: dict[str, Any], model_name: str, media_root: Path) -> dict[str, Any]:
+    """The chat completion Gym's model server sends vLLM for ``row`` (``video_vllm_model`` with
+    token-id capture, ``return_token_id_information``): the row's messages with its clips as
+    ``file://`` URLs, its sampling, the chosen token's logprob and the prompt and generated ids."""
+    messages = []
+    for item in row["responses_create_params"]["input"]:
+        content = item["content"]
+        if isinstance(content, str):
+            messages.append({"role": item["role"], "content": content})
+            continue
+        parts = []
+        for part in content:
+            if part["type"] == "input_video":
+                ref = part["video_url"]
+                url = ref["url"] if isinstance(ref, dict) else ref
+                if "://" not in url:
+                    url = (media_root / url).resolve().as_uri()
+                parts.append({"type": "video_url", "video_url": {"url": url}})
+            elif part["type"] == "input_text":
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError(f"unsupported content part {part['type']!r} for the direct configuration")
+        messages.append({"role": item["role"], "content": parts})
+    params = row["responses_create_params"]
+    return {
+        "model": model_name,
+        "messages": messages,
+        "max_tokens": params["max_output_tokens"],
+        "temperature": params["temperature"],
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+
+
+def timed_direct(recipe: Any, server: Any, data: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Post ``rows``' chat completions straight to vLLM, ``rollout.max_in_flight`` at a time; the
+    figures :func:`timed_rollouts` gives."""
+    import asyncio
+
+    import aiohttp
+
+    url = server.openai_url.rstrip("/") + "/chat/completions"
+    bodies = [chat_request(row, server.model_name, Path(data.media_root)) for row in rows]
+
+    async def post_all() -> list[str]:
+        limit = asyncio.Semaphore(recipe.rollout.max_in_flight)
+        timeout = aiohttp.ClientTimeout(total=recipe.rollout.timeout_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+            async def post(body: dict[str, Any]) -> str:
+                async with limit, session.post(url, json=body) as response:
+                    answer = await response.json()
+                    return "" if response.status == 200 else f"HTTP {response.status}: {str(answer)[:300]}"
+
+            return await asyncio.gather(*(post(body) for body in bodies))
+
+    before = scrape(server.base_url)
+    cpu_before = cpu_snapshot()
+    started = time.perf_counter()
+    errors = asyncio.run(post_all())
+    wall = time.perf_counter() - started
+    cpu = cpu_by_role(cpu_before, wall)
+    metrics = breakdown(before, scrape(server.base_url))
+    failed = [error for error in errors if error]
+    generated = metrics.get("generation_tokens_total", float("nan"))
+    requests_done = metrics.get("request_success_total") or len(rows)
+    return {
+        "samples": len(rows),
+        "ok": len(rows) - len(failed),
+        "outcomes": {"ok": len(rows) - len(failed), "failed": len(failed)},
+        "first_error": failed[0] if failed else "",
+        "wall_s": wall,
+        "samples_per_s": len(rows) / wall,
+        "per_sample_s": wall / len(rows),
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens_per_sample": metrics.get("prompt_tokens_total", float("nan")) / requests_done,
+        "vllm_metrics": metrics,
+        "cpu_by_process": cpu,
+    }
+
+
 def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:
     """The vLLM server of configuration ``name``. ``fallback`` 1 drops what only refits need (the
     weight-transfer engine, sleep mode), 2 also this package's model loader: used only when a start
@@ -313,7 +403,8 @@ def run_server_config(
     *,
     first_fallback: int = 0,
 ) -> dict[str, Any]:
-    """Start vLLM (configuration ``name``) and the Gym servers, warm up, time each batch, stop them.
+    """Start vLLM (configuration ``name``) and, but for ``direct``, the Gym servers; warm up, time
+    each batch, stop them.
 
     Only a vLLM start that fails moves on to the next fallback (:func:`server_config`); a Gym
     server that does not start ends the configuration with the error."""
@@ -329,13 +420,20 @@ def run_server_config(
         with ExitStack() as stack:
             started = time.perf_counter()
             server = stack.enter_context(start_vllm_server(config, log_dir=log_dir, wait=False))
-            specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
-            gym = stack.enter_context(
-                start_gym_servers(
-                    specs, run_dir=log_dir / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+            if name == "direct":
+                gym_ready = 0.0
+                time_batch = partial(timed_direct, recipe, server, data)
+            else:
+                specs, agent = data.gym_specs(
+                    recipe, openai_url=server.openai_url, model_name=server.model_name
                 )
-            )
-            gym_ready = time.perf_counter() - started
+                gym = stack.enter_context(
+                    start_gym_servers(
+                        specs, run_dir=log_dir / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+                    )
+                )
+                gym_ready = time.perf_counter() - started
+                time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent))
             try:
                 server.wait_until_healthy()
             except ServiceError as error:
@@ -349,15 +447,14 @@ def run_server_config(
             out["startup_s"] = time.perf_counter() - started
             out["log_dir"] = str(log_dir)
             print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s (Gym {gym_ready:.1f} s)", flush=True)
-            agent_url = gym.url(agent)
-            warm = timed_rollouts(recipe, server.base_url, agent_url, warmup)
+            warm = time_batch(warmup)
             out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
             print(
                 f"[{name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True
             )
             for label, rows in batches.items():
                 out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-                result = timed_rollouts(recipe, server.base_url, agent_url, rows)
+                result = time_batch(rows)
                 out[label] = result
                 print(
                     f"[{name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
@@ -568,6 +665,7 @@ def table(results: dict[str, Any]) -> list[str]:
         ("ours (full)", results.get("ours", {}).get("full"), results.get("ours", {})),
         ("ours (seed subset)", results.get("ours", {}).get("subset"), results.get("ours", {})),
         ("seed (subset)", results.get("seed", {}).get("subset"), results.get("seed", {})),
+        ("direct, no Gym (full)", results.get("direct", {}).get("full"), results.get("direct", {})),
         ("stock offline (full)", results.get("stock", {}).get("full"), results.get("stock", {})),
     ]
     for label, r, config in rows:
@@ -598,6 +696,11 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         out["seed_over_ours_same_subset"] = seed / ours_subset
     if stock and ours_full:
         out["stock_per_sample_over_ours_full"] = stock / ours_full
+    direct = per_sample("direct", "full")
+    if direct and ours_full:
+        out["direct_per_sample_over_ours_full"] = direct / ours_full
+    if stock and direct:
+        out["stock_per_sample_over_direct"] = stock / direct
     return out
 
 
@@ -666,6 +769,16 @@ def main() -> int:
                 results[name] = run_server_config(
                     name, recipe, data, warmup, {"subset": subset, "full": rows}, log_root
                 )
+            elif name == "direct":
+                results[name] = run_server_config(
+                    name,
+                    recipe,
+                    data,
+                    warmup,
+                    {"full": rows},
+                    log_root,
+                    first_fallback=results.get("ours", {}).get("fallback", 0),
+                )
             elif name == "seed":
                 results[name] = run_server_config(
                     name,
@@ -696,7 +809,7 @@ def main() -> int:
         "(per-sample time ratios; above 1: ours is faster. Ours includes Gym, HTTP and the servers' "
         "file decoding; stock times generate() only, on frames decoded beforehand)"
     )
-    for name in ("ours", "seed"):
+    for name in ("ours", "seed", "direct"):
         for label in ("subset", "full"):
             m = results.get(name, {}).get(label, {}).get("vllm_metrics")
             if m:

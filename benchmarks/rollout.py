@@ -203,7 +203,7 @@ def process_role(proc: Any) -> str:
             return "vllm api server"
         if proc.name().startswith("VLLM::") or "VLLM::" in cmdline:
             return "vllm " + proc.name().removeprefix("VLLM::").lower()
-        if cmdline.endswith("app.py") or " app.py" in cmdline:
+        if (Path(proc.cwd()) / "app.py").is_file():  # a Gym server, or one of its uvicorn workers
             return "gym " + Path(proc.cwd()).name
         return proc.name()
     except Exception:  # noqa: BLE001 (a process that exits while being looked at has no role)

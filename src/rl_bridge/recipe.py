@@ -470,6 +470,11 @@ class RolloutSection(_Section):
     in their group, counted in ``rollout/policy_fault``; failures of the data or of the servers
     are masked instead."""
     max_in_flight: PositiveInt = 16
+    gym_workers: PositiveInt = 1
+    """Worker processes of each Gym server (the model server, the agent and the resources server):
+    nemo-gym's ``num_workers``, uvicorn workers sharing the server's port. Each Gym server is one
+    Python process by default; with many rollouts in flight on a host with cores to spare, more
+    workers spread their request handling over cores."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;

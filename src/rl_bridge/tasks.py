@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -194,6 +194,9 @@ class TaskData:
             media_root=self.media_root,
             extra_body=extra_body,
         )
+        workers = recipe.rollout.gym_workers
+        if workers > 1:
+            model = replace(model, fields={**model.fields, "num_workers": workers})
         name = _RESOURCES[task.environment]
         resources_fields: dict[str, Any] = {
             "domain": "knowledge" if task.environment == "mcqa" else "agent",
@@ -203,6 +206,8 @@ class TaskData:
             "max_steps": task.max_model_calls,
             "policy_fault_reward": recipe.rollout.policy_fault_reward,
         }
+        if workers > 1:
+            resources_fields["num_workers"] = agent_fields["num_workers"] = workers
         if task.environment == "agentic":
             resources_fields["tool_call_cost"] = task.tool_call_cost
             if recipe.rollout.first_turn_tool_call:  # the model server merges metadata.extra_body

@@ -18,6 +18,7 @@ from nemo_gym.base_resources_server import (
     ReverifyMode,
     SimpleResourcesServer,
 )
+from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
 from pydantic import ConfigDict
 
 from gym_video_env.grading import AnswerFormat, final_assistant_text, grade_choice
@@ -70,3 +71,5 @@ class VideoMCQAResourcesServer(SimpleResourcesServer):
 
 if __name__ == "__main__":
     VideoMCQAResourcesServer.run_webserver()
+elif is_nemo_gym_fastapi_entrypoint(__file__):  # a uvicorn worker (rollout.gym_workers > 1)
+    app = VideoMCQAResourcesServer.run_webserver()

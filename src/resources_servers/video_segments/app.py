@@ -35,7 +35,7 @@ from nemo_gym.base_resources_server import (
     ReverifyMode,
     SimpleResourcesServer,
 )
-from nemo_gym.server_utils import SESSION_ID_KEY
+from nemo_gym.server_utils import SESSION_ID_KEY, is_nemo_gym_fastapi_entrypoint
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from gym_video_env.environments import segment_tool_output
@@ -166,3 +166,5 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
 
 if __name__ == "__main__":
     VideoSegmentsResourcesServer.run_webserver()
+elif is_nemo_gym_fastapi_entrypoint(__file__):  # a uvicorn worker (rollout.gym_workers > 1)
+    app = VideoSegmentsResourcesServer.run_webserver()

@@ -45,7 +45,7 @@ from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, Body, SimpleResponsesAPIAgent
 from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
-from nemo_gym.server_utils import get_response_json, raise_for_status
+from nemo_gym.server_utils import get_response_json, is_nemo_gym_fastapi_entrypoint, raise_for_status
 from pydantic import ConfigDict, PositiveInt
 
 from gym_video_env import MediaSettings
@@ -269,3 +269,5 @@ def _add_usage(total: dict[str, int], usage: dict[str, Any] | None) -> None:
 
 if __name__ == "__main__":
     VideoToolsAgent.run_webserver()
+elif is_nemo_gym_fastapi_entrypoint(__file__):  # a uvicorn worker (rollout.gym_workers > 1)
+    app = VideoToolsAgent.run_webserver()

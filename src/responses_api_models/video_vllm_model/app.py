@@ -41,6 +41,7 @@ from nemo_gym.openai_utils import (
     NeMoGymResponse,
     NeMoGymResponseCreateParamsNonStreaming,
 )
+from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
 from pydantic import NonNegativeInt, PositiveInt, PrivateAttr, field_validator
 from responses_api_models.vllm_model.app import (
     _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE,  # the stock server's marker for "answer with vLLM's status"
@@ -208,3 +209,5 @@ class VideoVLLMModel(VLLMModel):
 
 if __name__ == "__main__":
     VideoVLLMModel.run_webserver()
+elif is_nemo_gym_fastapi_entrypoint(__file__):  # a uvicorn worker (rollout.gym_workers > 1)
+    app = VideoVLLMModel.run_webserver()

@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from gym_video_env.grading import AnswerFormat
 from rl_bridge.grpo import GRPOLossConfig
@@ -475,6 +484,12 @@ class RolloutSection(_Section):
     nemo-gym's ``num_workers``, uvicorn workers sharing the server's port. Each Gym server is one
     Python process by default; with many rollouts in flight on a host with cores to spare, more
     workers spread their request handling over cores."""
+    coalesce_window_ms: NonNegativeFloat = 0.0
+    """The model server holds the first of identical requests this long and sends those that
+    arrive meanwhile to vLLM as one request with ``n`` choices, one per sample
+    (``gym_video_env.coalesce``): a group's first turns cost vLLM one media load, one processor
+    call and one response instead of ``group_size``. Each sample is drawn as before (vLLM samples
+    the choices independently); a few milliseconds cover a group. 0: every request goes alone."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -187,16 +187,20 @@ class TaskData:
             extra_body = choice_request_body(action_choices(task))
             if support is not None:  # canonical_actions: one spelling per action
                 extra_body["allowed_token_ids"] = support
+        model_fields: dict[str, Any] = {}
+        if recipe.rollout.coalesce_window_ms > 0:
+            model_fields["coalesce_window_ms"] = recipe.rollout.coalesce_window_ms
+        workers = recipe.rollout.gym_workers
+        if workers > 1:
+            model_fields["num_workers"] = workers
         model = video_model_server_spec(
             MODEL_SERVER,
             openai_url=openai_url,
             model=model_name,
             media_root=self.media_root,
             extra_body=extra_body,
+            **model_fields,
         )
-        workers = recipe.rollout.gym_workers
-        if workers > 1:
-            model = replace(model, fields={**model.fields, "num_workers": workers})
         name = _RESOURCES[task.environment]
         resources_fields: dict[str, Any] = {
             "domain": "knowledge" if task.environment == "mcqa" else "agent",

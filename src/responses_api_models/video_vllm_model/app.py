@@ -23,6 +23,9 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   forever unless it follows an endpoint file): a caller that supervises vLLM decides instead
   whether to restart it, re-dispatch, or stop sending an input that kills it, and an input that
   does is not replayed into every restarted vLLM.
+- ``coalesce_window_ms`` sends identical chat completions that arrive within that window (a GRPO
+  group's first turns) to vLLM as one request with ``n`` choices, one for each caller
+  (:mod:`gym_video_env.coalesce`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseCreateParamsNonStreaming,
 )
 from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
-from pydantic import NonNegativeInt, PositiveInt, PrivateAttr, field_validator
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr, field_validator
 from responses_api_models.vllm_model.app import (
     _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE,  # the stock server's marker for "answer with vLLM's status"
     VLLMModel,
@@ -50,6 +53,7 @@ from responses_api_models.vllm_model.app import (
 )
 
 from gym_video_env import MediaSettings
+from gym_video_env.coalesce import CoalescingClient
 from gym_video_env.request_media import (
     MediaRequestError,
     ToolOutputMediaPolicy,
@@ -88,6 +92,12 @@ class VideoVLLMModelConfig(VLLMModelConfig):
     vllm_connection_retries: NonNegativeInt | None = None
     """Connection-error retries of one request to vLLM (0.5 s apart) before it fails with HTTP 500.
     ``None``: Gym's default, retry until vLLM answers again."""
+    coalesce_window_ms: NonNegativeFloat = 0.0
+    """Hold the first of identical chat completions this long; those that arrive meanwhile go to
+    vLLM as one request with ``n`` choices, one for each caller (``gym_video_env.coalesce``: a
+    GRPO group's first turns). 0: every request goes alone."""
+    coalesce_max_n: PositiveInt = 64
+    """Most choices in one coalesced request."""
 
     @field_validator("video_sampling_contract")
     @classmethod
@@ -128,6 +138,13 @@ class VideoVLLMModel(VLLMModel):
         if config.vllm_connection_retries is not None:
             for client in self._clients:
                 client.max_connection_retries = config.vllm_connection_retries
+        if config.coalesce_window_ms > 0:
+            self._clients = [
+                CoalescingClient(
+                    client, window_s=config.coalesce_window_ms / 1000, max_n=config.coalesce_max_n
+                )
+                for client in self._clients
+            ]
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
         """Prepare the media of the raw body, then serve it as the stock server does."""

@@ -1,0 +1,115 @@
+"""``gym_video_env.coalesce``: identical chat completions within the window go out as one request
+with ``n``, each caller gets one choice; others pass through; a failure reaches every caller."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gym_video_env.coalesce import CoalescingClient, split_choices
+
+pytestmark = pytest.mark.unit
+
+
+class RecordingClient:
+    """Answers a chat completion with ``n`` choices whose token ids tell them apart."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.fail = fail
+        self.max_connection_retries = None
+
+    async def create_chat_completion(self, **body: Any) -> dict[str, Any]:
+        self.bodies.append(body)
+        await asyncio.sleep(0.01)
+        if self.fail is not None:
+            raise self.fail
+        n = body.get("n", 1)
+        start = 10 * (len(self.bodies) - 1)
+        return {
+            "id": "chatcmpl-1",
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": f"c{i}"},
+                    "token_ids": [start + i] * (i + 1),
+                }
+                for i in range(n)
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": sum(range(1, n + 1)), "total_tokens": 0},
+        }
+
+
+def _body(prompt: str = "p", **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], "temperature": 1.0, **extra}
+
+
+async def _gather(client: CoalescingClient, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return await asyncio.gather(*(client.create_chat_completion(**body) for body in bodies))
+
+
+def test_identical_requests_in_the_window_go_as_one_with_n_and_each_caller_gets_one_choice() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.05)
+    answers = asyncio.run(_gather(client, [_body()] * 4 + [_body("q")] * 2))
+
+    assert sorted(body.get("n", 1) for body in inner.bodies) == [2, 4]
+    assert all({k: v for k, v in body.items() if k != "n"} in (_body(), _body("q")) for body in inner.bodies)
+    for answer in answers:
+        (choice,) = answer["choices"]
+        assert choice["index"] == 0
+        assert answer["usage"]["completion_tokens"] == len(choice["token_ids"])
+        assert answer["usage"]["total_tokens"] == 3 + len(choice["token_ids"])
+        assert answer["prompt_token_ids"] == [1, 2, 3]
+    first_four = [a["choices"][0]["token_ids"] for a in answers[:4]]
+    assert len({tuple(ids) for ids in first_four}) == 4, "each caller of a batch gets a different choice"
+    assert len({a["id"] for a in answers[:4]}) == 4
+    assert (client.requests_sent, client.requests_coalesced) == (2, 6)
+
+
+def test_a_batch_that_fills_up_goes_at_once() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=10.0, max_n=3)  # the window would outlast the test
+    answers = asyncio.run(asyncio.wait_for(_gather(client, [_body()] * 3), timeout=5))
+    assert [body["n"] for body in inner.bodies] == [3]
+    assert len(answers) == 3
+
+
+def test_requests_with_n_a_seed_or_streaming_pass_through_and_a_lone_request_goes_without_n() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.01)
+    bodies = [_body(n=2), _body(n=2), _body(seed=1), _body(seed=1), _body("alone")]
+    answers = asyncio.run(_gather(client, bodies))
+    assert [len(a["choices"]) for a in answers] == [2, 2, 1, 1, 1]
+    assert len(inner.bodies) == 5
+    assert "n" not in inner.bodies[-1]
+
+
+def test_a_failed_batch_fails_each_caller() -> None:
+    inner = RecordingClient(fail=RuntimeError("vLLM said no"))
+    client = CoalescingClient(inner, window_s=0.01)
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            *(client.create_chat_completion(**_body()) for _ in range(3)), return_exceptions=True
+        )
+
+    results = asyncio.run(run())
+    assert len(inner.bodies) == 1
+    assert [str(r) for r in results] == ["vLLM said no"] * 3
+
+
+def test_attributes_are_the_wrapped_clients() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.01)
+    client.max_connection_retries = 8
+    assert inner.max_connection_retries == 8
+    assert client.max_connection_retries == 8
+
+
+def test_split_refuses_a_response_with_another_number_of_choices() -> None:
+    with pytest.raises(ValueError, match="asked vLLM for 3 choices, got 2"):
+        split_choices({"choices": [{"index": 0}, {"index": 1}]}, 3)

@@ -16,6 +16,8 @@
 #   rollout_split  the same without the seed's settings, plus 'direct' (ours' vLLM with no Gym in
 #              front): where ours' rollout time goes, vLLM or the Gym path
 #   rollout_w4 ours alone with four worker processes per Gym server (rollout.gym_workers=4)
+#   rollout_coalesce  ours alone with a group's identical first turns sent as one request with n
+#              (rollout.coalesce_window_ms=5), then with that and rollout.gym_workers=4
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -84,6 +86,10 @@ for name in "${jobs[@]}"; do
       --json "$out/rollout_split_h200.json" ;;
     rollout_w4) job rollout_w4 600 "$py" benchmarks/rollout.py --configs ours --json "$out/rollout_w4_h200.json" \
       rollout.gym_workers=4 ;;
+    rollout_coalesce) job rollout_coalesce 900 bash -c '"$0" benchmarks/rollout.py --configs ours \
+      --json "$out/rollout_coalesce_h200.json" rollout.coalesce_window_ms=5 && "$0" benchmarks/rollout.py \
+      --configs ours --json "$out/rollout_coalesce_w4_h200.json" rollout.coalesce_window_ms=5 \
+      rollout.gym_workers=4' "$py" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

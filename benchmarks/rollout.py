@@ -60,6 +60,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -289,25 +290,14 @@ def chat_request(row: dict[str, Any], model_name: str, media_root: Path) -> dict
     """The chat completion Gym's model server sends vLLM for ``row`` (``video_vllm_model`` with
     token-id capture, ``return_token_id_information``): the row's messages with its clips as
     ``file://`` URLs, its sampling, the chosen token's logprob and the prompt and generated ids."""
-    messages = []
-    for item in row["responses_create_params"]["input"]:
-        content = item["content"]
-        if isinstance(content, str):
-            messages.append({"role": item["role"], "content": content})
-            continue
-        parts = []
-        for part in content:
-            if part["type"] == "input_video":
-                ref = part["video_url"]
-                url = ref["url"] if isinstance(ref, dict) else ref
-                if "://" not in url:
-                    url = (media_root / url).resolve().as_uri()
-                parts.append({"type": "video_url", "video_url": {"url": url}})
-            elif part["type"] == "input_text":
-                parts.append({"type": "text", "text": part["text"]})
-            else:
-                raise ValueError(f"unsupported content part {part['type']!r} for the direct configuration")
-        messages.append({"role": item["role"], "content": parts})
+
+    def video_url(ref: Any) -> dict[str, Any]:
+        url = ref["url"] if isinstance(ref, dict) else ref
+        if "://" not in url:
+            url = (media_root / url).resolve().as_uri()
+        return {"type": "video_url", "video_url": {"url": url}}
+
+    messages = row_messages(row, video_url)
     params = row["responses_create_params"]
     return {
         "model": model_name,
@@ -475,9 +465,10 @@ def run_server_config(
 # -- stock vLLM offline -----------------------------------------------------------------------------------
 
 
-def chat_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    """A Gym row's input as HF chat messages, and its video references in order."""
-    messages, videos = [], []
+def row_messages(row: dict[str, Any], video_part: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Gym row's input as chat messages, each ``input_video`` part as ``video_part`` of its
+    ``video_url``."""
+    messages = []
     for item in row["responses_create_params"]["input"]:
         content = item["content"]
         if isinstance(content, str):
@@ -486,14 +477,24 @@ def chat_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]
         parts = []
         for part in content:
             if part["type"] == "input_video":
-                parts.append({"type": "video"})
-                videos.append(part["video_url"])
+                parts.append(video_part(part["video_url"]))
             elif part["type"] == "input_text":
                 parts.append({"type": "text", "text": part["text"]})
             else:
-                raise ValueError(f"unsupported content part {part['type']!r} for the stock configuration")
+                raise ValueError(f"unsupported content part {part['type']!r} in a benchmark row")
         messages.append({"role": item["role"], "content": parts})
-    return messages, videos
+    return messages
+
+
+def chat_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A Gym row's input as HF chat messages, and its video references in order."""
+    videos: list[str] = []
+
+    def video(ref: Any) -> dict[str, Any]:
+        videos.append(ref)
+        return {"type": "video"}
+
+    return row_messages(row, video), videos
 
 
 def decode_with_pyav(path: Path, contract: Any) -> tuple[Any, dict[str, Any]]:

@@ -267,17 +267,31 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
     cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(base_url))
     ok = sum(res.outcome in ("ok", "policy_fault") for res in results)
-    generated = metrics.get("generation_tokens_total", float("nan"))
-    requests_done = metrics.get("request_success_total") or len(rows)
     errors = [res.error for res in results if res.error]
+    first_error = (errors[0] or "")[:500] if errors else ""
+    return batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
+
+
+def batch_figures(
+    samples: int,
+    ok: int,
+    outcomes: dict[str, int],
+    first_error: str,
+    wall: float,
+    metrics: dict[str, float],
+    cpu: dict[str, dict[str, float]],
+) -> dict[str, Any]:
+    """One timed batch's figures: counts, rates, vLLM's counters and the CPU by process."""
+    generated = metrics.get("generation_tokens_total", float("nan"))
+    requests_done = metrics.get("request_success_total") or samples
     return {
-        "samples": len(rows),
+        "samples": samples,
         "ok": ok,
-        "outcomes": dict(stats.outcomes),
-        "first_error": (errors[0] or "")[:500] if errors else "",
+        "outcomes": outcomes,
+        "first_error": first_error,
         "wall_s": wall,
-        "samples_per_s": len(rows) / wall,
-        "per_sample_s": wall / len(rows),
+        "samples_per_s": samples / wall,
+        "per_sample_s": wall / samples,
         "generated_tokens": generated,
         "generated_tokens_per_s": generated / wall,
         "prompt_tokens_per_sample": metrics.get("prompt_tokens_total", float("nan")) / requests_done,
@@ -341,22 +355,9 @@ def timed_direct(recipe: Any, server: Any, data: Any, rows: list[dict[str, Any]]
     cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(server.base_url))
     failed = [error for error in errors if error]
-    generated = metrics.get("generation_tokens_total", float("nan"))
-    requests_done = metrics.get("request_success_total") or len(rows)
-    return {
-        "samples": len(rows),
-        "ok": len(rows) - len(failed),
-        "outcomes": {"ok": len(rows) - len(failed), "failed": len(failed)},
-        "first_error": failed[0] if failed else "",
-        "wall_s": wall,
-        "samples_per_s": len(rows) / wall,
-        "per_sample_s": wall / len(rows),
-        "generated_tokens": generated,
-        "generated_tokens_per_s": generated / wall,
-        "prompt_tokens_per_sample": metrics.get("prompt_tokens_total", float("nan")) / requests_done,
-        "vllm_metrics": metrics,
-        "cpu_by_process": cpu,
-    }
+    ok = len(rows) - len(failed)
+    outcomes = {"ok": ok, "failed": len(failed)}
+    return batch_figures(len(rows), ok, outcomes, failed[0] if failed else "", wall, metrics, cpu)
 
 
 def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:

@@ -48,10 +48,11 @@ class CoalescingClient:
         self.window_s = window_s
         self.max_n = max_n
         self._open: dict[str, _Batch] = {}
+        self._in_flight: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self.requests_sent = 0
         """Requests sent to vLLM for coalesced bodies (one per batch)."""
         self.requests_coalesced = 0
-        """Callers whose request went out as part of a batch."""
+        """Callers whose request went out in a batch (one or more callers each)."""
 
     def __getattr__(self, name: str) -> Any:
         if name == "_client":  # not set yet
@@ -86,7 +87,9 @@ class CoalescingClient:
             del self._open[key]
         self.requests_sent += 1
         self.requests_coalesced += len(batch.waiters)
-        asyncio.ensure_future(self._send_batch(batch))
+        task = asyncio.get_running_loop().create_task(self._send_batch(batch))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     async def _send_batch(self, batch: _Batch) -> None:
         n = len(batch.waiters)

@@ -55,14 +55,14 @@ MaskReason = (
     | MediaLoadReason
     | Literal["placeholder_mismatch", "generated_media_token", "constraint_mismatch"]
 )
-
-TrainedTurns = Literal["all", "last"]
-"""Which model turns of a trajectory are trained (see :class:`PolicyInputBuilder`)."""
 """Why a sample is masked: a trajectory violation, media that cannot be processed, a turn whose
 placeholder tokens disagree with its media, a generated media placeholder token (vLLM embeds a
 generated token as text; the policy's model puts media features at every placeholder id, so it
 cannot replay the sample), or a generated token the replayed structured-outputs grammar does not
 allow (the trainer's grammar is not the one vLLM decoded with)."""
+
+TrainedTurns = Literal["all", "last"]
+"""Which model turns of a trajectory are trained (see :class:`PolicyInputBuilder`)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,6 +62,7 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -325,38 +326,52 @@ def chat_request(row: dict[str, Any], model_name: str, media_root: Path) -> dict
     }
 
 
-def timed_direct(recipe: Any, server: Any, data: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def timed_direct(
+    recipe: Any, server: Any, data: Any, rows: list[dict[str, Any]], *, grouped: bool = False
+) -> dict[str, Any]:
     """Post ``rows``' chat completions straight to vLLM, ``rollout.max_in_flight`` at a time; the
-    figures :func:`timed_rollouts` gives."""
+    figures :func:`timed_rollouts` gives. ``grouped``: one request with ``n = group_size`` for each
+    group of identical rows (what ``rollout.coalesce_window_ms`` makes of them, without Gym)."""
     import asyncio
 
     import aiohttp
 
     url = server.openai_url.rstrip("/") + "/chat/completions"
-    bodies = [chat_request(row, server.model_name, Path(data.media_root)) for row in rows]
+    size = recipe.rollout.group_size if grouped else 1
+    groups = [rows[at : at + size] for at in range(0, len(rows), size)]
+    if any(len({row["task_id"] for row in group}) != 1 for group in groups):
+        raise ValueError("timed_direct(grouped=True): rows must come as consecutive groups of one prompt")
+    bodies = []
+    for group in groups:
+        body = chat_request(group[0], server.model_name, Path(data.media_root))
+        if grouped:
+            body["n"] = len(group)
+        bodies.append(body)
 
-    async def post_all() -> list[str]:
+    async def post_all() -> list[tuple[int, str]]:
         limit = asyncio.Semaphore(recipe.rollout.max_in_flight)
         timeout = aiohttp.ClientTimeout(total=recipe.rollout.timeout_s)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-            async def post(body: dict[str, Any]) -> str:
+            async def post(body: dict[str, Any]) -> tuple[int, str]:
                 async with limit, session.post(url, json=body) as response:
                     answer = await response.json()
-                    return "" if response.status == 200 else f"HTTP {response.status}: {str(answer)[:300]}"
+                    if response.status != 200:
+                        return 0, f"HTTP {response.status}: {str(answer)[:300]}"
+                    return len(answer.get("choices", [])), ""
 
             return await asyncio.gather(*(post(body) for body in bodies))
 
     before = scrape(server.base_url)
     cpu_before = cpu_snapshot()
     started = time.perf_counter()
-    errors = asyncio.run(post_all())
+    answers = asyncio.run(post_all())
     wall = time.perf_counter() - started
     cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(server.base_url))
-    failed = [error for error in errors if error]
-    ok = len(rows) - len(failed)
-    outcomes = {"ok": ok, "failed": len(failed)}
+    failed = [error for _, error in answers if error]
+    ok = sum(choices for choices, _ in answers)
+    outcomes = {"ok": ok, "failed": len(rows) - ok, "requests": len(bodies)}
     return batch_figures(len(rows), ok, outcomes, failed[0] if failed else "", wall, metrics, cpu)
 
 
@@ -384,83 +399,119 @@ def server_config(recipe: Any, data: Any, name: str, fallback: int) -> Any:
     return config.model_copy(update=update)
 
 
+@dataclass
+class Phase:
+    """One measurement on a vLLM server: its result's name, the recipe it runs (a variant's
+    ``rollout.*`` overrides change only the Gym side), the batches it times, and whether it posts
+    to vLLM directly (:func:`timed_direct`) or through the Gym servers it starts."""
+
+    name: str
+    recipe: Any
+    batches: dict[str, list[dict[str, Any]]]
+    direct: bool = False
+
+
+def run_phase(
+    phase: Phase, server: Any, data: Any, warmup: list[dict[str, Any]], log_dir: Path, stack: ExitStack
+) -> dict[str, Any]:
+    """Start ``phase``'s Gym servers (none for a direct phase) against ``server``, warm up on one
+    untimed group, time each batch from cold caches; the Gym servers stop with ``stack``."""
+    from rl_bridge.paths import project_root
+    from rl_bridge.services.gym_server import start_gym_servers
+
+    out: dict[str, Any] = {}
+    recipe = phase.recipe
+    started = time.perf_counter()
+    if phase.direct:
+        time_batch: Callable[..., dict[str, Any]] = partial(timed_direct, recipe, server, data)
+    else:
+        specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
+        gym = stack.enter_context(
+            start_gym_servers(
+                specs,
+                run_dir=log_dir / f"gym-{phase.name}",
+                extra_roots=[project_root() / "src"],
+                timeout_s=600,
+            )
+        )
+        time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent))
+    out["gym_startup_s"] = time.perf_counter() - started
+    warm = time_batch(warmup)
+    out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
+    print(f"[{phase.name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
+    for label, rows in phase.batches.items():
+        out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
+        result = time_batch(rows, grouped=True) if label == "grouped" else time_batch(rows)
+        out[label] = result
+        print(
+            f"[{phase.name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
+            f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
+            flush=True,
+        )
+        if result["first_error"]:
+            print(f"[{phase.name}]   first error: {result['first_error'][:300]}", flush=True)
+        if result["ok"] < result["samples"]:
+            failed = result["samples"] - result["ok"]
+            out["error"] = f"{label}: {failed} of {result['samples']} samples failed"
+    return out
+
+
 def run_server_config(
     name: str,
-    recipe: Any,
     data: Any,
     warmup: list[dict[str, Any]],
-    batches: dict[str, list[dict[str, Any]]],
+    phases: list[Phase],
     log_root: Path,
     *,
     first_fallback: int = 0,
-) -> dict[str, Any]:
-    """Start vLLM (configuration ``name``) and, but for ``direct``, the Gym servers; warm up, time
-    each batch, stop them.
+) -> dict[str, dict[str, Any]]:
+    """Start vLLM (configuration ``name``, from the first phase's recipe) and run every phase on it,
+    each with its own Gym servers (stopped before the next starts); the results by phase name, the
+    first also holding the server's start figures and the others naming the server they shared.
 
     Only a vLLM start that fails moves on to the next fallback (:func:`server_config`); a Gym
-    server that does not start ends the configuration with the error."""
-    from rl_bridge.paths import project_root
-    from rl_bridge.services.gym_server import start_gym_servers
+    server that does not start ends that phase with the error and the next phase runs."""
     from rl_bridge.services.process import ServiceError
     from rl_bridge.services.vllm_server import start_vllm_server
 
-    out: dict[str, Any] = {"start_failures": []}
+    base = server_config(phases[0].recipe, data, name, 0)
+    for phase in phases[1:]:
+        if server_config(phase.recipe, data, name, 0) != base:
+            raise ValueError(f"phase {phase.name!r} changes vLLM's configuration: run it on its own")
+    start: dict[str, Any] = {"start_failures": []}
     for fallback in range(first_fallback, 3):
-        config = server_config(recipe, data, name, fallback)
+        config = server_config(phases[0].recipe, data, name, fallback)
         log_dir = log_root / f"{name}-{fallback}"
         with ExitStack() as stack:
             started = time.perf_counter()
             server = stack.enter_context(start_vllm_server(config, log_dir=log_dir, wait=False))
-            if name == "direct":
-                gym_ready = 0.0
-                time_batch = partial(timed_direct, recipe, server, data)
-            else:
-                specs, agent = data.gym_specs(
-                    recipe, openai_url=server.openai_url, model_name=server.model_name
-                )
-                gym = stack.enter_context(
-                    start_gym_servers(
-                        specs, run_dir=log_dir / "gym", extra_roots=[project_root() / "src"], timeout_s=600
-                    )
-                )
-                gym_ready = time.perf_counter() - started
-                time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent))
             try:
                 server.wait_until_healthy()
             except ServiceError as error:
-                out["start_failures"].append(str(error)[-3000:])
+                start["start_failures"].append(str(error)[-3000:])
                 print(f"[{name}] vLLM did not start (fallback {fallback}):\n{str(error)[-1500:]}", flush=True)
                 continue
-            out["fallback"] = fallback
-            out["vllm_argv"] = server.process.argv
-            out["vllm_startup_s"] = server.startup_s
-            out["gym_startup_s"] = gym_ready
-            out["startup_s"] = time.perf_counter() - started
-            out["log_dir"] = str(log_dir)
-            print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s (Gym {gym_ready:.1f} s)", flush=True)
-            warm = time_batch(warmup)
-            out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
-            print(
-                f"[{name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True
+            start.update(
+                fallback=fallback,
+                vllm_argv=server.process.argv,
+                vllm_startup_s=server.startup_s,
+                startup_s=time.perf_counter() - started,
+                log_dir=str(log_dir),
             )
-            for label, rows in batches.items():
-                out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-                result = time_batch(rows)
-                out[label] = result
-                print(
-                    f"[{name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
-                    f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
-                    flush=True,
-                )
-                if result["first_error"]:
-                    print(f"[{name}]   first error: {result['first_error'][:300]}", flush=True)
-                if result["ok"] < result["samples"]:
-                    out["error"] = (
-                        f"{label}: {result['samples'] - result['ok']} of {result['samples']} samples failed"
-                    )
-        return out
-    out["error"] = "vLLM did not start with any fallback (see start_failures)"
-    return out
+            print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s", flush=True)
+            results: dict[str, dict[str, Any]] = {}
+            for phase in phases:
+                with ExitStack() as gym_stack:
+                    try:
+                        out = run_phase(phase, server, data, warmup, log_dir, gym_stack)
+                    except Exception as error:  # noqa: BLE001 (one phase's failure must not lose the others)
+                        traceback.print_exc()
+                        out = {"error": f"{type(error).__name__}: {error}"}
+                shared = {"server_of": phases[0].name} if results else start
+                results[phase.name] = {**shared, **out}
+            return results
+    start["error"] = "vLLM did not start with any fallback (see start_failures)"
+    return {phase.name: start for phase in phases}
 
 
 # -- stock vLLM offline -----------------------------------------------------------------------------------
@@ -660,21 +711,25 @@ def host_info() -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> list[str]:
     lines = [
-        f"{'configuration':<22} {'samples':>7} {'ok':>4} {'wall s':>8} {'samples/s':>9} {'s/sample':>9} "
+        f"{'configuration':<28} {'samples':>7} {'ok':>4} {'wall s':>8} {'samples/s':>9} {'s/sample':>9} "
         f"{'gen tok/s':>9} {'prompt tok':>10} {'start s':>7}"
     ]
     rows = [
-        ("ours (full)", results.get("ours", {}).get("full"), results.get("ours", {})),
-        ("ours (seed subset)", results.get("ours", {}).get("subset"), results.get("ours", {})),
-        ("seed (subset)", results.get("seed", {}).get("subset"), results.get("seed", {})),
-        ("direct, no Gym (full)", results.get("direct", {}).get("full"), results.get("direct", {})),
-        ("stock offline (full)", results.get("stock", {}).get("full"), results.get("stock", {})),
+        ("ours (full)", "ours", "full"),
+        ("ours (seed subset)", "ours", "subset"),
+        *((f"{name} (full)", name, "full") for name in results if name.startswith("ours-")),
+        ("seed (subset)", "seed", "subset"),
+        ("direct, no Gym (full)", "direct", "full"),
+        ("direct, n per group", "direct", "grouped"),
+        ("stock offline (full)", "stock", "full"),
     ]
-    for label, r, config in rows:
+    for label, name, batch in rows:
+        config = results.get(name, {})
+        r = config.get(batch)
         if not r:
             continue
         lines.append(
-            f"{label:<22} {r['samples']:>7} {r['ok']:>4} {r['wall_s']:>8.2f} {r['samples_per_s']:>9.2f} "
+            f"{label:<28} {r['samples']:>7} {r['ok']:>4} {r['wall_s']:>8.2f} {r['samples_per_s']:>9.2f} "
             f"{r['per_sample_s']:>9.3f} {r['generated_tokens_per_s']:>9.1f} "
             f"{r['prompt_tokens_per_sample']:>10.1f} "
             f"{config.get('startup_s', float('nan')):>7.1f}"
@@ -698,12 +753,29 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         out["seed_over_ours_same_subset"] = seed / ours_subset
     if stock and ours_full:
         out["stock_per_sample_over_ours_full"] = stock / ours_full
-    direct = per_sample("direct", "full")
+    for name in results:
+        variant = per_sample(name, "full") if name.startswith("ours-") else None
+        if stock and variant:
+            out[f"stock_per_sample_over_{name}_full"] = stock / variant
+        if ours_full and variant:
+            out[f"ours_full_over_{name}_full"] = ours_full / variant
+    direct, grouped = per_sample("direct", "full"), per_sample("direct", "grouped")
     if direct and ours_full:
         out["direct_per_sample_over_ours_full"] = direct / ours_full
     if stock and direct:
         out["stock_per_sample_over_direct"] = stock / direct
+    if stock and grouped:
+        out["stock_per_sample_over_direct_grouped"] = stock / grouped
     return out
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``--variant 'LABEL: OVERRIDE ...'``: a label and the dotted recipe overrides it adds."""
+    label, sep, rest = text.partition(":")
+    label = label.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.]+", label) or not rest.split():
+        raise SystemExit(f"--variant {text!r}: expected 'LABEL: OVERRIDE ...' (LABEL: letters, digits, _ .)")
+    return label, shlex.split(rest)
 
 
 def main() -> int:
@@ -719,6 +791,14 @@ def main() -> int:
         help="rows timed with the seed settings (the batch's first ones; default 32)",
     )
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'LABEL: OVERRIDE ...'",
+        help="also time ours with these rollout.* overrides (the Gym side: coalescing, Gym workers), "
+        "on ours' vLLM server with Gym servers of its own; repeatable",
+    )
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
@@ -764,33 +844,28 @@ def main() -> int:
                 f"no NeMo Gym interpreter at {gym_python()}: set VIDEO_GRPO_GYM_PYTHON to the Gym "
                 "environment's python (docs/INSTALL.md), or run --configs stock"
             )
+    variants = [parse_variant(text) for text in args.variant]
     results: dict[str, Any] = {}
+    fallback = 0
     for name in configs:
         try:
             if name == "ours":
-                results[name] = run_server_config(
-                    name, recipe, data, warmup, {"subset": subset, "full": rows}, log_root
-                )
+                phases = [Phase("ours", recipe, {"subset": subset, "full": rows})]
+                for label, overrides in variants:
+                    variant = load(args.recipe, [*args.overrides, *overrides], args)
+                    phases.append(Phase(f"ours-{label}", variant, {"full": rows}))
+                if "direct" in configs:  # on the same server
+                    phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
+                results.update(run_server_config(name, data, warmup, phases, log_root))
+                fallback = results["ours"].get("fallback", 0)
             elif name == "direct":
-                results[name] = run_server_config(
-                    name,
-                    recipe,
-                    data,
-                    warmup,
-                    {"full": rows},
-                    log_root,
-                    first_fallback=results.get("ours", {}).get("fallback", 0),
-                )
+                if "ours" not in configs:
+                    phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]
+                    results.update(run_server_config(name, data, warmup, phases, log_root))
             elif name == "seed":
-                results[name] = run_server_config(
-                    name,
-                    recipe,
-                    data,
-                    warmup,
-                    {"subset": subset},
-                    log_root,
-                    first_fallback=results.get("ours", {}).get("fallback", 0),
-                )
+                phases = [Phase("seed", recipe, {"subset": subset})]
+                seed = run_server_config(name, data, warmup, phases, log_root, first_fallback=fallback)
+                results.update(seed)
             else:
                 worker_argv = [a for a in sys.argv[1:]]
                 if "--json" in worker_argv:
@@ -811,8 +886,8 @@ def main() -> int:
         "(per-sample time ratios; above 1: ours is faster. Ours includes Gym, HTTP and the servers' "
         "file decoding; stock times generate() only, on frames decoded beforehand)"
     )
-    for name in ("ours", "seed", "direct"):
-        for label in ("subset", "full"):
+    for name in [n for n in results if n != "stock"]:
+        for label in ("subset", "full", "grouped"):
             m = results.get(name, {}).get(label, {}).get("vllm_metrics")
             if m:
                 keys = [k for k in m if k.endswith(("_mean_s", "_hit_rate"))]
@@ -833,6 +908,7 @@ def main() -> int:
             "group_size": recipe.rollout.group_size,
             "samples": len(rows),
             "seed_samples": len(subset),
+            "variants": dict(variants),
             "max_output_tokens": recipe.rollout.max_output_tokens,
             "temperature": recipe.rollout.temperature,
             "frames_per_clip": recipe.task.num_frames,
@@ -850,7 +926,7 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
-    failed = [name for name in configs if "error" in results.get(name, {})]
+    failed = [name for name, result in results.items() if "error" in result]
     return 1 if failed else 0
 
 

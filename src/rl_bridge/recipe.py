@@ -489,7 +489,9 @@ class RolloutSection(_Section):
     arrive meanwhile to vLLM as one request with ``n`` choices, one per sample
     (``gym_video_env.coalesce``): a group's first turns cost vLLM one media load, one processor
     call and one response instead of ``group_size``. Each sample is drawn as before (vLLM samples
-    the choices independently); a few milliseconds cover a group. 0: every request goes alone.
+    the choices independently). A request holds at most ``group_size`` choices, and a group
+    complete before its window ends goes at once, so a window wider than a group's spread of
+    arrivals costs nothing. 0: every request goes alone.
     With ``gym_workers`` above 1 each worker of the model server coalesces what it receives."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1

@@ -190,6 +190,7 @@ class TaskData:
         model_fields: dict[str, Any] = {}
         if recipe.rollout.coalesce_window_ms > 0:
             model_fields["coalesce_window_ms"] = recipe.rollout.coalesce_window_ms
+            model_fields["coalesce_max_n"] = recipe.rollout.group_size  # a full group goes at once
         workers = recipe.rollout.gym_workers
         if workers > 1:
             model_fields["num_workers"] = workers

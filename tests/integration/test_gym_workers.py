@@ -6,11 +6,12 @@ run's own server specs (``TaskData.gym_specs``):
   through them with vLLM's token ids;
 - ``rollout.coalesce_window_ms``: a group's identical first turns reach vLLM as one chat
   completion with ``n`` choices, and each rollout gets its own sample with its token ids and
-  logprobs.
+  logprobs; a complete group goes without waiting out the window.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import psutil
@@ -29,6 +30,7 @@ from video_grpo_demo.task import task_rows
 pytestmark = pytest.mark.integration
 
 WORKERS = 2
+WINDOW_S = 120  # the coalescing window: complete groups must not wait it out
 
 
 def _workers(pid: int) -> int:
@@ -97,7 +99,7 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     recipe = load_recipe(
         "recipes/tiny_cpu_sync.yaml",
         [
-            "rollout.coalesce_window_ms=200",
+            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
             "rollout.restrict_to_options=false",
             f"rollout.group_size={group}",
         ],
@@ -116,7 +118,9 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
     ) as gym:
         before = _chat_completion_calls(vllm_server)
+        started = time.monotonic()
         results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
+        elapsed = time.monotonic() - started
         calls = _chat_completion_calls(vllm_server) - before
 
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
@@ -127,5 +131,6 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
         assert len(turn["generation_log_probs"]) == len(turn["generation_token_ids"])
         turns.append(turn)
     assert calls == len(prompts), f"vLLM answered {calls:.0f} chat completions for {len(prompts)} groups"
+    assert elapsed < WINDOW_S / 2, f"{elapsed:.0f} s: full groups waited for the {WINDOW_S} s window"
     for start in range(0, len(turns), group):  # one prompt per group, each sample its own
         assert len({tuple(turn["prompt_token_ids"]) for turn in turns[start : start + group]}) == 1

@@ -1,9 +1,10 @@
 """Rollout-stage benchmark: the loop's rollout stage against NeMo RL's video-recipe vLLM settings
-and against stock vLLM offline, on the same requests (issue 33, item 3).
+and against stock vLLM offline, on the same requests.
 
 The requests are the first step's prompts of a recipe (the rows ``SyncCollector.next_prompts`` picks
-first), ``rollout.group_size`` samples each, at the recipe's temperature and output budget. Three
-configurations, vLLM started afresh for each (start times reported apart, never in a timed figure):
+first), ``rollout.group_size`` samples each, at the recipe's temperature and output budget.
+Configurations, each vLLM server started afresh (start times reported apart, never in a timed
+figure):
 
 - **ours**: the loop's rollout stage as the loop runs it. vLLM from
   ``rl_bridge.backends.vllm_servers.vllm_config(recipe, data)`` (this package's loader and video loader,
@@ -16,11 +17,17 @@ configurations, vLLM started afresh for each (start times reported apart, never 
   --mm-processor-cache-gb 0``. One sequence at a time is slow, so only the first
   ``--seed-samples`` rows of the batch are timed (the first prompts' groups); ratios against it are
   per sample, and ours is timed on exactly that subset too (the like-for-like ratio).
+- **ours-LABEL** (``--variant 'LABEL: OVERRIDE ...'``, repeatable): ours with ``rollout.*``
+  overrides that change only the Gym side (``coalesce_window_ms``, ``gym_workers``), timed on the
+  whole batch on ours' vLLM server with Gym servers of their own (a variant that would change
+  vLLM's configuration is refused).
 - **direct**: ours' vLLM server with no Gym in front: the chat completions Gym's model server sends
   vLLM for the same rows (token-id capture: the chosen token's logprob, prompt and generated ids;
   the clips as ``file://`` URLs) posted straight to ``/v1/chat/completions``, as many at once as
-  ``rollout.max_in_flight``. Not a way to run the loop: it splits ours' time between vLLM and the
-  Gym path (agents, model server, verifier, HTTP hops).
+  ``rollout.max_in_flight``: one request a sample (``full``), then one with ``n = group_size`` a
+  group (``grouped``, what coalescing sends). Not a way to run the loop: it splits ours' time
+  between vLLM and the Gym path (agents, model server, verifier, HTTP hops). With ``ours`` it runs
+  on ours' server after the variants, otherwise on its own.
 - **stock**: ``vllm.LLM`` with vLLM's default engine settings (same dtype, context length and video
   limit; stock video loading is replaced by frames decoded beforehand with PyAV, the same frames the
   checkpoint's sampling contract picks), ``LLM.generate`` on the same prompts (the processor's chat

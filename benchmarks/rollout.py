@@ -31,8 +31,10 @@ figure):
 - **stock**: ``vllm.LLM`` with vLLM's default engine settings (same dtype, context length and video
   limit; stock video loading is replaced by frames decoded beforehand with PyAV, the same frames the
   checkpoint's sampling contract picks), ``LLM.generate`` on the same prompts (the processor's chat
-  template) with ``SamplingParams(n=group_size)``. Only ``generate`` is timed; the PyAV decoding is
-  reported apart. It runs in a child process (``--stock-worker``), so no CUDA context outlives it.
+  template) with ``SamplingParams(n=group_size)``, then again from cold caches with ``logprobs=0`` (the
+  sampled token's logprob, which the loop asks vLLM for: ``full_logprobs``). Only ``generate`` is
+  timed; the PyAV decoding is reported apart. It runs in a child process (``--stock-worker``), so
+  no CUDA context outlives it.
 
 Each server configuration warms up on one untimed group of another row first. Between timed
 batches on one server the prefix, encoder and multimodal caches are reset (dev-mode endpoints), so
@@ -633,32 +635,42 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     out["startup_s"] = time.perf_counter() - started
     r = recipe.rollout
     support = data.token_support(recipe)
-    params = SamplingParams(
-        n=r.group_size, temperature=r.temperature, max_tokens=r.max_output_tokens, allowed_token_ids=support
-    )
-    started = time.perf_counter()
-    llm.generate(warm_inputs, params, use_tqdm=False)
-    out["warmup"] = {"samples": r.group_size, "wall_s": time.perf_counter() - started}
-    cpu_before = cpu_snapshot()
-    started = time.perf_counter()
-    outputs = llm.generate(timed_inputs, params, use_tqdm=False)
-    wall = time.perf_counter() - started
-    cpu = cpu_by_role(cpu_before, wall)
-    samples = sum(len(o.outputs) for o in outputs)
-    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    out["full"] = {
-        "samples": samples,
-        "ok": samples,
-        "wall_s": wall,
-        "samples_per_s": samples / wall,
-        "per_sample_s": wall / samples,
-        "generated_tokens": generated,
-        "generated_tokens_per_s": generated / wall,
-        "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
-        "sampling": f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
-        f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None})",
-        "cpu_by_process": cpu,
-    }
+    for label, logprobs in (("full", None), ("full_logprobs", 0)):
+        params = SamplingParams(
+            n=r.group_size,
+            temperature=r.temperature,
+            max_tokens=r.max_output_tokens,
+            allowed_token_ids=support,
+            logprobs=logprobs,
+        )
+        started = time.perf_counter()  # each sampling's first use (logprobs take paths of their own)
+        llm.generate(warm_inputs, params, use_tqdm=False)
+        warm_s = time.perf_counter() - started
+        out.setdefault("warmup", {})[label] = {"samples": r.group_size, "wall_s": warm_s}
+        llm.reset_prefix_cache()  # then the timed prompts from cold caches
+        llm.reset_mm_cache()
+        llm.llm_engine.reset_encoder_cache()
+        cpu_before = cpu_snapshot()
+        started = time.perf_counter()
+        outputs = llm.generate(timed_inputs, params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        cpu = cpu_by_role(cpu_before, wall)
+        samples = sum(len(o.outputs) for o in outputs)
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        out[label] = {
+            "samples": samples,
+            "ok": samples,
+            "wall_s": wall,
+            "samples_per_s": samples / wall,
+            "per_sample_s": wall / samples,
+            "generated_tokens": generated,
+            "generated_tokens_per_s": generated / wall,
+            "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
+            "sampling": f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
+            f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None}, "
+            f"logprobs={logprobs})",
+            "cpu_by_process": cpu,
+        }
     return out
 
 
@@ -683,14 +695,14 @@ def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
         }
     out = json.loads(result_path.read_text())
     out["total_s"] = time.perf_counter() - started
-    full = out["full"]
-    print(
-        f"[stock] engine {out['startup_s']:.1f} s, PyAV decode {out['decode_s']:.2f} s; generate "
-        f"{full['samples']} samples in {full['wall_s']:.2f} s, {full['samples_per_s']:.2f} samples/s",
-        flush=True,
-    )
-    if full.get("cpu_by_process"):
-        print(f"[stock] {cpu_line(full['cpu_by_process'])}", flush=True)
+    print(f"[stock] engine {out['startup_s']:.1f} s, PyAV decode {out['decode_s']:.2f} s", flush=True)
+    for label in ("full", "full_logprobs"):
+        batch = out[label]
+        print(
+            f"[stock] {label}: generate {batch['samples']} samples in {batch['wall_s']:.2f} s, "
+            f"{batch['samples_per_s']:.2f} samples/s; {cpu_line(batch['cpu_by_process'])}",
+            flush=True,
+        )
     return out
 
 
@@ -729,6 +741,7 @@ def table(results: dict[str, Any]) -> list[str]:
         ("direct, no Gym (full)", "direct", "full"),
         ("direct, n per group", "direct", "grouped"),
         ("stock offline (full)", "stock", "full"),
+        ("stock, logprobs=0", "stock", "full_logprobs"),
     ]
     for label, name, batch in rows:
         config = results.get(name, {})
@@ -752,6 +765,11 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         return r["per_sample_s"] if r else None
 
     out = {}
+    stock_lp = per_sample("stock", "full_logprobs")
+    for name in [n for n in results if n == "ours" or n.startswith("ours-")]:
+        ours = per_sample(name, "full")
+        if stock_lp and ours:
+            out[f"stock_logprobs_per_sample_over_{name}_full"] = stock_lp / ours
     ours_full, ours_subset = per_sample("ours", "full"), per_sample("ours", "subset")
     seed, stock = per_sample("seed", "subset"), per_sample("stock", "full")
     if seed and ours_full:

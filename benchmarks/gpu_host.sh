@@ -14,13 +14,13 @@
 #   r3b_h100   recipes/qwen2_5_vl_3b_1gpu_h100.yaml: the same on an 80 GB card, optimizer on the host
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
-#              it, then with a group's identical first turns sent as one request with n
-#              (rollout.coalesce_window_ms=50), with four worker processes per Gym server
-#              (rollout.gym_workers=4) and with both; then 'direct' (ours' vLLM with no Gym in front,
-#              one request a sample and one a group): where ours' rollout time goes
+#              it (a group's identical first turns sent as one request with n,
+#              rollout.coalesce_window_ms=50, and four worker processes per Gym server,
+#              rollout.gym_workers=4), then with neither, with each alone; then 'direct' (ours' vLLM
+#              with no Gym in front, one request a sample and one a group); stock with and without
+#              logprobs: where ours' rollout time goes
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
-#   r3b_coalesce  the 3B recipe, 5 steps, with rollout.coalesce_window_ms=50
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
 #   load_tiny  the same with the tiny model
 # Each job has a time limit and a failure does not stop the next. About 30 minutes in all (estimate).
@@ -84,15 +84,12 @@ for name in "${jobs[@]}"; do
     r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     rollout_gym) job rollout_gym 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
-      --variant "coalesce: rollout.coalesce_window_ms=50" --variant "w4: rollout.gym_workers=4" \
-      --variant "coalesce_w4: rollout.coalesce_window_ms=50 rollout.gym_workers=4" \
+      --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \
+      --variant "coalesce: rollout.gym_workers=1" --variant "w4: rollout.coalesce_window_ms=0" \
       --json "$out/rollout_gym_h200.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;
-    r3b_coalesce) job r3b_coalesce 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
-      run_dir=runs/r3b_coalesce rollout.coalesce_window_ms=50; rc=$?; keep_run runs/r3b_coalesce r3b_coalesce; \
-      exit $rc' ;;
     load_3b) job load_3b 600 "$py" benchmarks/load.py --model qwen2.5-vl-3b --loaders video_grpo,opencv \
       --json "$out/load_h200_3b.json" ;;
     load_tiny) job load_tiny 480 "$py" benchmarks/load.py --model tiny --frames 32 --loaders video_grpo,opencv \

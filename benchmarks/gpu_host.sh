@@ -19,6 +19,8 @@
 #              rollout.gym_workers=4), then with neither, with each alone; then 'direct' (ours' vLLM
 #              with no Gym in front, one request a sample and one a group); stock with and without
 #              logprobs: where ours' rollout time goes
+#   rollout_rw4  ours, direct and stock with vLLM's renderer on four threads
+#              (model.vllm_renderer_workers=4, its processor cache off)
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -87,6 +89,8 @@ for name in "${jobs[@]}"; do
       --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \
       --variant "coalesce: rollout.gym_workers=1" --variant "w4: rollout.coalesce_window_ms=0" \
       --json "$out/rollout_gym_h200.json" ;;
+    rollout_rw4) job rollout_rw4 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --json "$out/rollout_rw4_h200.json" model.vllm_renderer_workers=4 ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

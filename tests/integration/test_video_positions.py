@@ -21,18 +21,9 @@ import torch
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.processors import load_processor
 from video_grpo_demo.synthetic import indexed_frames, write_video
-from vllm_video_plugin import compat
 from vllm_video_plugin.cache import DecodeCache
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.uses_vllm,
-    pytest.mark.skipif(
-        not compat.video_logprobs_match_the_trainer(),
-        reason="this vLLM's video logprobs differ from the trainer's for reasons of its own "
-        "(vllm_video_plugin.compat.video_logprobs_match_the_trainer)",
-    ),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.uses_vllm]
 
 TOLERANCE = 1e-5
 #: Clips whose temporal positions run past their spatial ones (frames, width, height), and one

@@ -95,7 +95,7 @@ BOUNDARIES = [
     (compat.has_weight_checker_route, "0.31.0", "0.32.0", False, True),
     (compat.mamba_runs_on_vllm_cpu, "0.26.0", "0.27.0", False, True),
     (compat.nemotron_audio_in_video_starts, "0.30.0", "0.31.0", False, True),
-    (compat.video_logprobs_match_the_trainer, "0.31.0", "0.32.0", False, True),
+    (compat.qwen25vl_processor_passes_video_metadata, "0.31.0", "0.32.0", False, True),
     (compat.choice_escapes_control_characters, "0.30.0", "0.31.0", False, True),
     (compat.fetch_video_returns_media_with_bytes, "0.26.0", "0.27.0", False, True),
     (compat.qwen3_vl_stock_sampling_knows_unknown_fps, "0.31.0", "0.32.0", False, True),

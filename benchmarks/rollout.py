@@ -17,10 +17,12 @@ figure):
   --mm-processor-cache-gb 0``. One sequence at a time is slow, so only the first
   ``--seed-samples`` rows of the batch are timed (the first prompts' groups); ratios against it are
   per sample, and ours is timed on exactly that subset too (the like-for-like ratio).
-- **ours-LABEL** (``--variant 'LABEL: OVERRIDE ...'``, repeatable): ours with ``rollout.*``
-  overrides that change only the Gym side (``coalesce_window_ms``, ``gym_workers``), timed on the
-  whole batch on ours' vLLM server with Gym servers of their own (a variant that would change
-  vLLM's configuration is refused).
+- **ours-LABEL** (``--variant 'LABEL: OVERRIDE ...'``, repeatable): ours with recipe overrides,
+  timed on the whole batch with Gym servers of their own. Overrides that change only the Gym side
+  (``rollout.coalesce_window_ms``, ``rollout.gym_workers``) run on ours' vLLM server; others
+  (``model.vllm_api_servers``, ``model.vllm_renderer_workers``) on a vLLM server of their own,
+  started after ours', which also times **direct-LABEL** (the ``grouped`` direct batch, below) when
+  ``direct`` runs.
 - **direct**: ours' vLLM server with no Gym in front: the chat completions Gym's model server sends
   vLLM for the same rows (token-id capture: the chosen token's logprob, prompt and generated ids;
   the clips as ``file://`` URLs) posted straight to ``/v1/chat/completions``, as many at once as
@@ -204,14 +206,17 @@ def reset_caches(base_url: str) -> dict[str, int]:
 
 
 def process_role(proc: Any) -> str:
-    """A short name for one of the benchmark's processes: the vLLM API server, its engine core, a
-    Gym server (its directory: ``video_vllm_model``, ``video_tools_agent``, ...), or the client."""
+    """A short name for one of the benchmark's processes: the vLLM API server (all of them, with
+    several), its engine core, a Gym server (its directory: ``video_vllm_model``,
+    ``video_tools_agent``, ...), or the client."""
     try:
         if proc.pid == os.getpid():
             return "client (this process)"
         cmdline = " ".join(proc.cmdline())
-        if "vllm.entrypoints" in cmdline or " serve " in cmdline:
-            return "vllm api server"
+        if proc.name().startswith("VLLM::APIServer") or "VLLM::APIServer" in cmdline:
+            return "vllm api server"  # one of several (model.vllm_api_servers): counted together
+        if "vllm_serve" in cmdline or "vllm.entrypoints" in cmdline or " serve " in cmdline:
+            return "vllm api server"  # the one, or with several the process that started them
         if proc.name().startswith("VLLM::") or "VLLM::" in cmdline:
             return "vllm " + proc.name().removeprefix("VLLM::").lower()
         if (Path(proc.cwd()) / "app.py").is_file():  # a Gym server, or one of its uvicorn workers
@@ -237,15 +242,18 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
 
 
 def cpu_by_role(before: dict[int, tuple[str, float]], wall_s: float) -> dict[str, dict[str, float]]:
-    """CPU seconds each role spent since ``before`` and their share of the wall time (1.0: one core
-    busy the whole batch; a single-threaded server near 1.0 is what bounds the batch)."""
+    """CPU seconds each role spent since ``before``, their share of the wall time (1.0: one core
+    busy the whole batch; a single-threaded server near 1.0 is what bounds the batch) and how many
+    of the role's processes spent any."""
     used: dict[str, float] = {}
+    processes: dict[str, int] = {}
     for pid, (role, cpu) in cpu_snapshot().items():
         spent = cpu - before.get(pid, (role, 0.0))[1]
         if spent > 0:
             used[role] = used.get(role, 0.0) + spent
+            processes[role] = processes.get(role, 0) + 1
     return {
-        role: {"cpu_s": round(cpu, 3), "cores_busy": round(cpu / wall_s, 3)}
+        role: {"cpu_s": round(cpu, 3), "cores_busy": round(cpu / wall_s, 3), "processes": processes[role]}
         for role, cpu in sorted(used.items(), key=lambda item: -item[1])
     }
 
@@ -740,6 +748,7 @@ def table(results: dict[str, Any]) -> list[str]:
         ("seed (subset)", "seed", "subset"),
         ("direct, no Gym (full)", "direct", "full"),
         ("direct, n per group", "direct", "grouped"),
+        *((f"{name}, n per group", name, "grouped") for name in results if name.startswith("direct-")),
         ("stock offline (full)", "stock", "full"),
         ("stock, logprobs=0", "stock", "full_logprobs"),
     ]
@@ -782,13 +791,15 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             out[f"stock_logprobs_per_sample_over_{name}_full"] = stock_lp / ours
         if ours_full and name != "ours":
             out[f"ours_full_over_{name}_full"] = ours_full / ours
-    direct, grouped = per_sample("direct", "full"), per_sample("direct", "grouped")
+    direct = per_sample("direct", "full")
     if direct and ours_full:
         out["direct_per_sample_over_ours_full"] = direct / ours_full
     if stock and direct:
         out["stock_per_sample_over_direct"] = stock / direct
-    if stock and grouped:
-        out["stock_per_sample_over_direct_grouped"] = stock / grouped
+    for name in [n for n in results if n == "direct" or n.startswith("direct-")]:  # a variant's server too
+        grouped = per_sample(name, "grouped")
+        if stock and grouped:
+            out[f"stock_per_sample_over_{name}_grouped"] = stock / grouped
     return out
 
 
@@ -819,8 +830,9 @@ def main() -> int:
         action="append",
         default=[],
         metavar="'LABEL: OVERRIDE ...'",
-        help="also time ours with these rollout.* overrides (the Gym side: coalescing, Gym workers), "
-        "on ours' vLLM server with Gym servers of its own; repeatable",
+        help="also time ours with these recipe overrides: on ours' vLLM server when they change only "
+        "the Gym side (coalescing, Gym workers), else on a vLLM server of their own (API servers, "
+        "renderer threads); repeatable",
     )
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -874,13 +886,26 @@ def main() -> int:
         try:
             if name == "ours":
                 phases = [Phase("ours", recipe, {"subset": subset, "full": rows})]
+                own_servers: list[list[Phase]] = []
+                ours_server = server_config(recipe, data, name, 0)
                 for label, overrides in variants:
                     variant = load(args.recipe, [*args.overrides, *overrides], args)
-                    phases.append(Phase(f"ours-{label}", variant, {"full": rows}))
+                    phase = Phase(f"ours-{label}", variant, {"full": rows})
+                    if server_config(variant, data, name, 0) == ours_server:
+                        phases.append(phase)
+                    else:  # a vLLM of its own, and what it gives posted straight to it
+                        direct = [Phase(f"direct-{label}", variant, {"grouped": rows}, direct=True)]
+                        own_servers.append([phase, *(direct if "direct" in configs else [])])
                 if "direct" in configs:  # on the same server
                     phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
                 results.update(run_server_config(name, data, warmup, phases, log_root))
                 fallback = results["ours"].get("fallback", 0)
+                for own in own_servers:
+                    try:
+                        results.update(run_server_config(own[0].name, data, warmup, own, log_root))
+                    except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
+                        traceback.print_exc()
+                        results[own[0].name] = {"error": f"{type(error).__name__}: {error}"}
             elif name == "direct":
                 if "ours" not in configs:
                     phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]

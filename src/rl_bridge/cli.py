@@ -30,6 +30,17 @@ from rl_bridge.user_errors import UsageError, recipe_error
 __all__ = ["main"]
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def _video_contract(raw: str, model: Path) -> Any:
     """The sampling contract ``--video-contract`` names: ``processor``, ``none``, JSON or a JSON file."""
     from vllm_video_plugin.contract import VideoSamplingContract
@@ -104,6 +115,7 @@ def _cmd_serve_vllm(args: argparse.Namespace) -> int:
         limit_mm_per_prompt={"image": args.images_per_prompt, "video": args.videos_per_prompt},
         media_io_kwargs=None if contract is None else {"video": contract.to_media_io_kwargs()},
         startup_timeout_s=args.startup_timeout_s,
+        api_server_count=args.api_server_count,
         extra_args=tuple(extra_args),
     )
     # Ctrl-C and `kill` both stop vLLM with this process, even when started with SIGINT ignored
@@ -362,6 +374,12 @@ def _parser() -> argparse.ArgumentParser:
         "--videos-per-prompt", type=int, default=1, help="most videos in one prompt (a trajectory's clips)"
     )
     p.add_argument("--images-per-prompt", type=int, default=1, help="most images in one prompt")
+    p.add_argument(
+        "--api-server-count",
+        type=_at_least_one,
+        default=1,
+        help="vLLM API server processes in front of its engine core (vLLM's --api-server-count)",
+    )
     p.add_argument(
         "--video-contract",
         default="processor",

@@ -129,6 +129,14 @@ class ModelSection(_Section):
     one only without its processor cache, so above 1 the server also gets ``--mm-processor-cache-gb
     0``: a clip sent again (another sample's request, a later turn) is processed again, which
     ``rollout.coalesce_window_ms`` makes rare for a group's first turns."""
+    vllm_api_servers: PositiveInt = 1
+    """API server processes of each vLLM server (``--api-server-count``), in front of its one engine
+    core. The front end's work runs in them: each request's HTTP, chat template, video loading and
+    multimodal processor, and its outputs' detokenization and logprobs; with one, a rollout of many
+    video requests can wait on that one Python process while the GPU idles. The loop's control
+    (pause, sleep, refit, cache resets) acts on the shared engine core through any of them. Each
+    process keeps its own multimodal processor cache and imports vLLM (host memory and start-up
+    time per process)."""
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;

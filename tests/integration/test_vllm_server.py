@@ -153,13 +153,16 @@ def test_server_argv_binds_loopback_and_passes_options(tmp_path: Path) -> None:
         extra_args=("--max-num-seqs", "4"),
     )
     argv = server_argv(config, port=8123, python="python3")
-    assert argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["python3", "-m", "rl_bridge.services.vllm_serve"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--port") + 1] == "8123"
     assert argv[argv.index("--load-format") + 1] == "dummy"
     assert argv[argv.index("--media-io-kwargs") + 1] == '{"video": {"num_frames": 8}}'
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     assert argv[-2:] == ["--max-num-seqs", "4"]
+    assert "--api-server-count" not in argv
+    several = server_argv(config.model_copy(update={"api_server_count": 4}), port=8123, python="python3")
+    assert several[several.index("--api-server-count") + 1] == "4"
     with pytest.raises(ValueError, match="extra_forbidden"):
         VLLMServerConfig(model=tmp_path, host="0.0.0.0")
 

@@ -245,6 +245,16 @@ def test_renderer_workers_come_with_the_processor_cache_off(tiny_qwen25vl: Path,
     assert args[args.index("--mm-processor-cache-gb") + 1] == "0"
 
 
+def test_api_servers_reach_the_server_command(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    from rl_bridge.backends.vllm_servers import vllm_config
+    from rl_bridge.services.vllm_server import server_argv
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    assert "--api-server-count" not in server_argv(vllm_config(load_recipe(None, []), data), port=8000)
+    argv = server_argv(vllm_config(load_recipe(None, ["model.vllm_api_servers=3"]), data), port=8000)
+    assert argv[argv.index("--api-server-count") + 1] == "3"
+
+
 def test_a_nemotron_recipe_needs_a_video_contract() -> None:
     recipe = load_recipe(project_root() / "recipes" / "nemotron_nano_omni_gpu.yaml")
     assert recipe.model.video_contract is not None and recipe.model.video_contract.num_frames == 32

@@ -28,7 +28,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
     structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; with
-    ``model.vllm_renderer_workers``, that many renderer threads and no processor cache; on CPU with one
+    ``model.vllm_renderer_workers``, that many renderer threads and no processor cache; with
+    ``model.vllm_api_servers``, that many API server processes; on CPU with one
     worker, the worker inside the engine-core process (one process fewer importing vLLM; the cost:
     docs/ARCHITECTURE.md).
     """
@@ -64,6 +65,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         structured_outputs_backend=STRUCTURED_OUTPUTS_BACKEND if recipe.rollout.constrain_actions else None,
         weight_transfer_backend=weight_transfer_backend(recipe),
         worker_in_engine_process=model.vllm_gpus == 0 and model.vllm_tensor_parallel_size == 1,
+        api_server_count=model.vllm_api_servers,
         startup_timeout_s=900,
         enforce_eager=model.vllm_gpus == 0 if model.vllm_enforce_eager is None else model.vllm_enforce_eager,
         extra_args=tuple(extra_args),

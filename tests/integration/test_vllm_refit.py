@@ -27,7 +27,7 @@ from rl_bridge.refit.client import RefitClient, RefitError
 from rl_bridge.refit.sync import WeightSync
 from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer
-from video_grpo_demo.tiny_models import build_tiny_model
+from tests.fixtures.media import video_chat
 from tests.fixtures.vllm import QWEN25VL_CONTRACT
 from video_grpo_demo.tiny_models import build_tiny_model
 from vllm_video_plugin import compat
@@ -79,15 +79,7 @@ def logprobs(server: VLLMServer, video: Path) -> dict[str, Any]:
     """Greedy tokens, their logprobs and the prompt logprobs of a fixed video prompt."""
     body = {
         "model": server.model_name,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "video_url", "video_url": {"url": video.as_uri()}},
-                    {"type": "text", "text": "What color is the clip?"},
-                ],
-            }
-        ],
+        "messages": video_chat(video),
         "max_tokens": 4,
         "temperature": 0.0,
         "logprobs": True,

@@ -25,6 +25,7 @@ from rl_bridge.services.vllm_server import (
     server_argv,
     server_env,
 )
+from tests.fixtures.media import video_chat
 from tests.fixtures.vllm import NEEDS_MAMBA_ON_CPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,15 +34,7 @@ QUESTION = "What color is the clip?"
 
 
 def _video_messages(video: Path) -> list[dict[str, object]]:
-    return [
-        {
-            "role": "user",
-            "content": [
-                {"type": "video_url", "video_url": {"url": video.as_uri()}},
-                {"type": "text", "text": QUESTION},
-            ],
-        }
-    ]
+    return video_chat(video, QUESTION)
 
 
 def _hf_prompt_ids(model_dir: Path, video: Path) -> list[int]:

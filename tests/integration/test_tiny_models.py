@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 from transformers.video_utils import VideoMetadata
 
 from video_grpo_demo.tiny_models import MANIFEST_NAME, Qwen25VLSpec, build_tiny_model
+from video_grpo_demo.tiny_models.qwen import QWEN_SPECIAL_TOKENS, RELEASED_PADDING_ROWS
 
 pytestmark = pytest.mark.integration
 
@@ -145,14 +146,23 @@ def test_bad_requests_are_rejected(tmp_path: Path) -> None:
 
 
 def test_full_size_vocabulary_tied_embeddings_and_bf16_weights(tmp_path: Path) -> None:
-    """A full-size model is built with the local tokenizer: the embedding rows padded past the
-    tokenizer (as released checkpoints pad theirs), tied to the output layer, saved in bfloat16."""
+    """A full-size model is built with the local tokenizer, its regular vocabulary filled with
+    decodable filler tokens so that only the released padding rows lie past the tokenizer (a random
+    model's samples decode, as a trained model's do), the embedding tied to the output layer and
+    saved in bfloat16."""
     built = build_tiny_model(
         "qwen2_5_vl", out_dir=tmp_path, vocab_size=1000, tie_word_embeddings=True, weights_dtype="bfloat16"
     )
     config = AutoConfig.from_pretrained(built)
-    tokens = len(AutoTokenizer.from_pretrained(built))
-    assert config.text_config.vocab_size == 1000 > tokens
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    tokens = len(tokenizer)
+    assert config.text_config.vocab_size == 1000 == tokens + RELEASED_PADDING_ROWS
+    specials = [tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS]
+    assert specials == list(range(tokens - len(QWEN_SPECIAL_TOKENS) - 2, tokens - 2))  # after the regular
+    assert config.video_token_id == tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert tokenizer.decode([500, 501]) == " t500 t501"
+    trained = Qwen25VLSpec().bpe_vocab_size
+    assert all(i < trained for i in tokenizer(" t500 t501")["input_ids"])  # no merge spells a filler
     assert config.tie_word_embeddings
     model = AutoModelForImageTextToText.from_pretrained(built, dtype="auto")
     assert model.get_input_embeddings().weight.shape[0] == 1000

@@ -27,7 +27,17 @@ from transformers import (
 from video_grpo_demo.tiny_models.builder import TinyModelSpec
 from video_grpo_demo.tiny_models.tokenizer import build_tokenizer, load_chat_template
 
-__all__ = ["QWEN_ADDED_TOKENS", "QWEN_SPECIAL_TOKENS", "Qwen3VLMoeSpec", "Qwen3VLSpec", "Qwen25VLSpec"]
+__all__ = [
+    "QWEN_ADDED_TOKENS",
+    "QWEN_SPECIAL_TOKENS",
+    "RELEASED_PADDING_ROWS",
+    "Qwen3VLMoeSpec",
+    "Qwen3VLSpec",
+    "Qwen25VLSpec",
+]
+
+#: Embedding rows of the released Qwen2.5-VL checkpoints beyond their tokenizer (151,936 - 151,665).
+RELEASED_PADDING_ROWS = 271
 
 #: Special tokens of the Qwen2-VL family, in the order of their ids in the released tokenizers.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -96,7 +106,9 @@ class _QwenVLSpec(TinyModelSpec):
         description=(
             "The model's vocabulary (embedding and output rows) when larger than the tokenizer's, "
             "as released checkpoints pad theirs (Qwen2.5-VL: 151,936 rows for 151,665 tokens): a "
-            "full-size model built with the small local tokenizer. ``None``: the tokenizer's size."
+            "full-size model built with the small local tokenizer, its regular vocabulary filled "
+            "with decodable filler tokens up to the rows less the released padding "
+            "(RELEASED_PADDING_ROWS) and the special tokens. ``None``: the tokenizer's size."
         ),
     )
     tie_word_embeddings: bool = False
@@ -134,8 +146,13 @@ class _QwenVLSpec(TinyModelSpec):
     # -- shared writing steps -------------------------------------------------------------------
 
     def _tokenizer(self) -> PreTrainedTokenizerFast:
+        regular = None
+        if self.vocab_size is not None:  # as released: the rows beyond the tokenizer are padding only
+            special = len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS)
+            regular = self.vocab_size - RELEASED_PADDING_ROWS - special
         return build_tokenizer(
             bpe_vocab_size=self.bpe_vocab_size,
+            regular_vocab_size=regular,
             special_tokens=QWEN_SPECIAL_TOKENS,
             chat_template=load_chat_template(self.template_family or self.family),
             roles=_ROLES,
@@ -221,7 +238,7 @@ class Qwen25VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen2_5_vl"
-    builder_version: ClassVar[int] = 3
+    builder_version: ClassVar[int] = 4  # 4: a full-size vocabulary's tokenizer filled (RELEASED_PADDING_ROWS)
 
     window_size: PositiveInt = Field(112, description="Vision window attention side, pixels.")
     fullatt_block_indexes: tuple[int, ...] = Field((1,), description="Vision blocks with full attention.")
@@ -301,7 +318,7 @@ class Qwen3VLSpec(_QwenVLSpec):
     """
 
     family: ClassVar[str] = "qwen3_vl"
-    builder_version: ClassVar[int] = 3
+    builder_version: ClassVar[int] = 4  # 4: a full-size vocabulary's tokenizer filled
 
     patch_size: PositiveInt = 16
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] = (24, 20, 20)
@@ -397,7 +414,7 @@ class Qwen3VLMoeSpec(Qwen3VLSpec):
 
     family: ClassVar[str] = "qwen3_vl_moe"
     template_family: ClassVar[str | None] = "qwen3_vl"
-    builder_version: ClassVar[int] = 1
+    builder_version: ClassVar[int] = 2  # 2: a full-size vocabulary's tokenizer filled
 
     num_experts: PositiveInt = 4
     experts_per_token: PositiveInt = 2

@@ -9,6 +9,7 @@ including bytes outside the corpus, still encodes: the byte alphabet is always p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
 
@@ -79,6 +80,7 @@ def build_tokenizer(
     extra_special_tokens: Mapping[str, str] | None = None,
     added_tokens: Sequence[str] = (),
     model_max_length: int = 32768,
+    regular_vocab_size: int | None = None,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on :data:`CORPUS` and wrap it as a ``PreTrainedTokenizerFast``.
 
@@ -99,6 +101,11 @@ def build_tokenizer(
         added_tokens: Tokens never split but not special: decoding keeps them (Qwen's
             ``<tool_call>`` and ``</tool_call>``, which a tool-call parser finds in the output text).
         model_max_length: The longest sequence, in tokens, the tokenizer reports as supported.
+        regular_vocab_size: When above ``bpe_vocab_size``, the regular vocabulary is filled to this
+            size with filler tokens (``" t<id>"``) that no merge produces, so the special tokens sit
+            after about as many regular ones as a released tokenizer's, and every id a full-size
+            random model samples decodes to text as a trained model's samples do (an id no
+            tokenizer entry holds costs vLLM's detokenizer about 40 times a known one's).
 
     Raises:
         ValueError: ``bpe_vocab_size`` is below the byte alphabet or more than the corpus can
@@ -130,6 +137,8 @@ def build_tokenizer(
             f"(training stopped at {backend.get_vocab_size()} tokens)"
         )
 
+    if regular_vocab_size is not None and regular_vocab_size > bpe_vocab_size:
+        backend = _with_fillers(backend, regular_vocab_size)
     backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in special_tokens])
     backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok in added_tokens])
     return PreTrainedTokenizerFast(
@@ -140,3 +149,17 @@ def build_tokenizer(
         extra_special_tokens=dict(extra_special_tokens or {}),
         **roles,
     )
+
+
+def _with_fillers(backend: Tokenizer, size: int) -> Tokenizer:
+    """``backend`` (a trained BPE, no added tokens yet) with its vocabulary filled to ``size``
+    entries by ``"Ġt<id>"`` tokens (byte-level for " t<id>"): decodable, never produced by encoding."""
+    data = json.loads(backend.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    for token_id in range(len(vocab), size):
+        filler = f"\u0120t{token_id}"
+        if filler in vocab:  # a trained merge already spells it (never with the task corpus)
+            raise ValueError(f"the filler token {filler!r} is already in the vocabulary")
+        vocab[filler] = token_id
+    return Tokenizer.from_str(json.dumps(data))
+

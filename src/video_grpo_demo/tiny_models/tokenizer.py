@@ -86,7 +86,8 @@ def build_tokenizer(
 
     The regular vocabulary gets ids ``0 .. bpe_vocab_size - 1`` (the byte alphabet first, then
     merges); ``special_tokens`` follow in order, then ``added_tokens``, as in the real checkpoints,
-    so the full vocabulary size is ``bpe_vocab_size + len(special_tokens) + len(added_tokens)``.
+    so the full vocabulary size is ``bpe_vocab_size + len(special_tokens) + len(added_tokens)``
+    (``regular_vocab_size`` in place of ``bpe_vocab_size`` when that fills the vocabulary).
 
     Args:
         bpe_vocab_size: Size of the regular (non-special) vocabulary, at least

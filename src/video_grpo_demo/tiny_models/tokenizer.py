@@ -163,4 +163,3 @@ def _with_fillers(backend: Tokenizer, size: int) -> Tokenizer:
             raise ValueError(f"the filler token {filler!r} is already in the vocabulary")
         vocab[filler] = token_id
     return Tokenizer.from_str(json.dumps(data))
-

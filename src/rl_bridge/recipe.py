@@ -496,10 +496,12 @@ class RolloutSection(_Section):
     are masked instead."""
     max_in_flight: PositiveInt = 16
     gym_workers: PositiveInt = 1
-    """Worker processes of each Gym server (the model server, the agent and the resources server):
-    nemo-gym's ``num_workers``, uvicorn workers sharing the server's port. Each Gym server is one
-    Python process by default; with many rollouts in flight on a host with cores to spare, more
-    workers spread their request handling over cores."""
+    """Processes of each Gym server. The agent and the resources server run as nemo-gym's
+    ``num_workers`` uvicorn workers sharing the server's port; the model server as that many
+    replicas on ports of their own, the agent sending each trajectory's model calls to the replica
+    its prompt hashes to (``gym_video_env.affinity``), so a group's first turns meet in one process
+    (which ``coalesce_window_ms`` needs). Each Gym server is one Python process by default; with
+    many rollouts in flight on a host with cores to spare, more spread their request handling."""
     coalesce_window_ms: NonNegativeFloat = 0.0
     """The model server holds the first of identical requests this long and sends those that
     arrive meanwhile to vLLM as one request with ``n`` choices, one per sample
@@ -508,7 +510,9 @@ class RolloutSection(_Section):
     the choices independently). A request holds at most ``group_size`` choices, and a group
     complete before its window ends goes at once, so a window wider than a group's spread of
     arrivals costs nothing. 0: every request goes alone.
-    With ``gym_workers`` above 1 each worker of the model server coalesces what it receives."""
+    With several vLLM servers, each group goes to the one its prompt hashes to (Gym's model server
+    otherwise spreads a group's sessions over them); with ``gym_workers`` above 1, to one model-server
+    replica likewise."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;

@@ -161,7 +161,13 @@ class TaskData:
         """The Gym servers of the task and the name of the agent server whose ``/run`` rolls out.
 
         ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
-        spreads sessions over them).
+        spreads sessions over them; with ``rollout.coalesce_window_ms``, groups: each group's
+        samples on the server its prompt hashes to).
+
+        With ``rollout.gym_workers`` above 1 the agent and the resources server run as that many
+        uvicorn workers, and the model server as that many replicas (``policy_model``,
+        ``policy_model_1``, ...), the agent sending each trajectory to the replica its prompt
+        hashes to (``gym_video_env.affinity``), so a group's first turns meet in one process.
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
         with every request when sampling is restricted to the option letters; media in tool
@@ -191,17 +197,23 @@ class TaskData:
         if recipe.rollout.coalesce_window_ms > 0:
             model_fields["coalesce_window_ms"] = recipe.rollout.coalesce_window_ms
             model_fields["coalesce_max_n"] = recipe.rollout.group_size  # a full group goes at once
+            model_fields["route_by_prompt"] = True  # a group meets on one vLLM server
         workers = recipe.rollout.gym_workers
-        if workers > 1:
-            model_fields["num_workers"] = workers
-        model = video_model_server_spec(
-            MODEL_SERVER,
-            openai_url=openai_url,
-            model=model_name,
-            media_root=self.media_root,
-            extra_body=extra_body,
-            **model_fields,
-        )
+        # The model server as `workers` replicas, one process each, the agent sending each
+        # trajectory to the one its prompt hashes to: uvicorn workers on one port would split a
+        # group between processes, and none could coalesce it.
+        models = [
+            video_model_server_spec(
+                MODEL_SERVER if replica == 0 else f"{MODEL_SERVER}_{replica}",
+                openai_url=openai_url,
+                model=model_name,
+                media_root=self.media_root,
+                extra_body=extra_body,
+                **model_fields,
+            )
+            for replica in range(workers)
+        ]
+        model = models[0]
         name = _RESOURCES[task.environment]
         resources_fields: dict[str, Any] = {
             "domain": "knowledge" if task.environment == "mcqa" else "agent",
@@ -212,6 +224,7 @@ class TaskData:
             "policy_fault_reward": recipe.rollout.policy_fault_reward,
         }
         if workers > 1:
+            agent_fields["model_servers"] = [replica.ref() for replica in models[1:]]
             resources_fields["num_workers"] = agent_fields["num_workers"] = workers
         if task.environment == "agentic":
             resources_fields["tool_call_cost"] = task.tool_call_cost
@@ -227,7 +240,7 @@ class TaskData:
             "video_tools_agent",
             {"resources_server": resources.ref(), "model_server": model.ref(), **agent_fields},
         )
-        return [model, resources, agent], AGENT_SERVER
+        return [*models, resources, agent], AGENT_SERVER
 
 
 def checkpoint_dir(model: ModelSection) -> Path:

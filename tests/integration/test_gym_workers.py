@@ -8,7 +8,8 @@ run's own server specs (``TaskData.gym_specs``):
   completion with ``n`` choices, and each rollout gets its own sample with its token ids and
   logprobs; a complete group goes without waiting out the window. With several Gym workers too:
   the agent sends each group to one model-server replica (uvicorn workers on one port would split
-  it, one group in eight staying whole with four samples over two workers).
+  it, one group in eight staying whole with four samples over two workers); with several vLLM
+  servers, the model server sends each group to one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rl_bridge.paths import project_root
 from rl_bridge.recipe import load_recipe
 from rl_bridge.rollout import RolloutSettings, collect_rollouts
 from rl_bridge.services.gym_server import start_gym_servers
+from rl_bridge.services.process import free_port
 from rl_bridge.services.vllm_server import VLLMServer
 from rl_bridge.tasks import MODEL_SERVER, TaskData
 from video_grpo_demo.task import task_rows
@@ -66,7 +68,8 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
     replicas = [MODEL_SERVER, *(f"{MODEL_SERVER}_{i}" for i in range(1, WORKERS))]
     uvicorn_workers = {name: WORKERS for name in ("video_mcqa", agent)}
     assert {spec.name: spec.fields.get("num_workers") for spec in specs} == {
-        **dict.fromkeys(replicas), **uvicorn_workers
+        **dict.fromkeys(replicas),
+        **uvicorn_workers,
     }
     (agent_spec,) = [spec for spec in specs if spec.name == agent]
     assert [ref["name"] for ref in agent_spec.fields["model_servers"]] == replicas[1:]
@@ -75,7 +78,8 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
     ) as gym:
         assert {name: _workers(process.pid) for name, process in gym.processes.items()} == {
-            **dict.fromkeys(replicas, 0), **uvicorn_workers
+            **dict.fromkeys(replicas, 0),
+            **uvicorn_workers,
         }
         results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
 
@@ -142,3 +146,39 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     assert elapsed < WINDOW_S / 2, f"{elapsed:.0f} s: full groups waited for the {WINDOW_S} s window"
     for start in range(0, len(turns), group):  # one prompt per group, each sample its own
         assert len({tuple(turn["prompt_token_ids"]) for turn in turns[start : start + group]}) == 1
+
+
+def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    """With coalescing the model server routes by prompt (``route_by_prompt``). The second vLLM
+    "server" here is a closed port: a group whose prompt hashes to it fails whole, every other
+    group succeeds whole. Gym's routing by session id would split each group between the two."""
+    group = 4
+    recipe = load_recipe(
+        "recipes/tiny_cpu_sync.yaml",
+        ["rollout.coalesce_window_ms=50", "rollout.restrict_to_options=false", f"rollout.group_size={group}"],
+    )
+    media_root = tmp_path / "media"
+    prompts = task_rows(recipe.task, media_root, 6, seed=2, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
+    data = TaskData(
+        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
+    )
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    specs, agent = data.gym_specs(
+        recipe, openai_url=[vllm_server.openai_url, closed], model_name=vllm_server.model_name
+    )
+    assert all(spec.fields["route_by_prompt"] for spec in specs if spec.name.startswith(MODEL_SERVER))
+
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        results, _ = collect_rollouts(
+            gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows), max_attempts=1)
+        )
+
+    outcome = {result.index: result.outcome for result in results}
+    groups = [[outcome[i] for i in range(start, start + group)] for start in range(0, len(rows), group)]
+    assert all(len(set(samples)) == 1 for samples in groups), groups
+    assert {samples[0] for samples in groups} == {"ok", "infra_failed"}, groups  # both servers chosen

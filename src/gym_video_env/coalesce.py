@@ -10,7 +10,10 @@ choices, as if it had asked alone. vLLM samples the ``n`` choices independently,
 caller's sample is distributed as before; only the calls to vLLM are fewer.
 
 Requests that already ask for several choices, carry a ``seed`` (one seed gives one sample) or
-stream pass through. A failed request fails each of its callers with the same error.
+stream pass through, and so do a conversation's later turns (a request holding an assistant
+message): a sample's history is rarely another's, and holding every later turn for the window
+would delay each turn of a multi-turn rollout. A failed request fails each of its callers with the
+same error.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class CoalescingClient:
             setattr(self._client, name, value)
 
     async def create_chat_completion(self, **body: Any) -> dict[str, Any]:
-        if body.get("n", 1) != 1 or body.get("seed") is not None or body.get("stream"):
+        if body.get("n", 1) != 1 or body.get("seed") is not None or body.get("stream") or _later_turn(body):
             return await self._send(**body)
         key = json.dumps(body, sort_keys=True, default=str)
         batch = self._open.get(key)
@@ -106,6 +109,14 @@ class CoalescingClient:
         for waiter, part in zip(batch.waiters, parts, strict=True):
             if not waiter.done():
                 waiter.set_result(part)
+
+
+def _later_turn(body: dict[str, Any]) -> bool:
+    """Whether the chat completion continues a conversation (holds an assistant message)."""
+    return any(
+        isinstance(message, dict) and message.get("role") == "assistant"
+        for message in body.get("messages") or ()
+    )
 
 
 def split_choices(response: dict[str, Any], n: int) -> list[dict[str, Any]]:

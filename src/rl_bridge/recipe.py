@@ -509,7 +509,7 @@ class RolloutSection(_Section):
     call and one response instead of ``group_size``. Each sample is drawn as before (vLLM samples
     the choices independently). A request holds at most ``group_size`` choices, and a group
     complete before its window ends goes at once, so a window wider than a group's spread of
-    arrivals costs nothing. 0: every request goes alone.
+    arrivals costs nothing; a conversation's later turns are not held. 0: every request goes alone.
     With several vLLM servers, each group goes to the one its prompt hashes to (Gym's model server
     otherwise spreads a group's sessions over them); with ``gym_workers`` above 1, to one model-server
     replica likewise."""

@@ -88,6 +88,17 @@ def test_requests_with_n_a_seed_or_streaming_pass_through_and_a_lone_request_goe
     assert "n" not in inner.bodies[-1]
 
 
+def test_a_conversations_later_turns_go_at_once() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=10.0)  # a held request would outlast the test
+    later = {**_body(), "messages": [*_body()["messages"], {"role": "assistant", "content": "B"}]}
+    later["messages"].append({"role": "user", "content": "Sure?"})
+    answers = asyncio.run(asyncio.wait_for(_gather(client, [later, later]), timeout=5))
+    assert [body.get("n", 1) for body in inner.bodies] == [1, 1]
+    assert len(answers) == 2
+    assert (client.requests_sent, client.requests_coalesced) == (0, 0)
+
+
 def test_a_failed_batch_fails_each_caller() -> None:
     inner = RecordingClient(fail=RuntimeError("vLLM said no"))
     client = CoalescingClient(inner, window_s=0.01)

@@ -24,6 +24,9 @@
 #   rollout_fe ours and direct as the recipe runs vLLM, then each on a vLLM server with four API
 #              server processes (model.vllm_api_servers=4) and on one with four renderer threads,
 #              stock with and without logprobs: the front end's share, all in one run
+#   rollout_affinity  ours as the recipe runs it (four Gym model-server replicas, each group sent to
+#              one by its prompt's hash), with one Gym process each, with a 200 ms coalescing
+#              window; direct; stock both ways: whether each group now reaches vLLM as one request
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -97,6 +100,9 @@ for name in "${jobs[@]}"; do
     rollout_fe) job rollout_fe 1500 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "as4: model.vllm_api_servers=4" --variant "rw4: model.vllm_renderer_workers=4" \
       --json "$out/rollout_fe_h200.json" ;;
+    rollout_affinity) job rollout_affinity 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --variant "w1: rollout.gym_workers=1" --variant "win200: rollout.coalesce_window_ms=200" \
+      --json "$out/rollout_affinity.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

@@ -27,6 +27,7 @@
 #   rollout_affinity  ours as the recipe runs it (four Gym model-server replicas, each group sent to
 #              one by its prompt's hash), with one Gym process each, with a 200 ms coalescing
 #              window; direct; stock both ways: whether each group now reaches vLLM as one request
+#              (vllm_metrics.chat_completion_requests per batch: 16 for 16 groups)
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos

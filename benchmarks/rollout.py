@@ -62,6 +62,7 @@ On a GPU host (defaults: ``recipes/qwen2_5_vl_3b_1gpu.yaml``, 16 prompts x 8 sam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -151,13 +152,20 @@ def sampled_rows(recipe: Any, prompts: list[dict[str, Any]]) -> list[dict[str, A
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """vLLM's Prometheus counters, sums and counts, summed over label sets (``vllm:`` dropped)."""
+    """vLLM's Prometheus counters, sums and counts, summed over label sets (``vllm:`` dropped), and
+    ``chat_completion_requests``: the HTTP requests its API server answered on
+    ``/v1/chat/completions`` (vLLM's own request counters count each of ``n`` choices)."""
     try:
         text = requests.get(f"{base_url}/metrics", timeout=30).text
     except requests.RequestException:
         return {}
     values: dict[str, float] = {}
     for line in text.splitlines():
+        if line.startswith("http_requests_total{") and 'handler="/v1/chat/completions"' in line:
+            with contextlib.suppress(ValueError):
+                count = float(line.rpartition(" ")[2])
+                values["chat_completion_requests"] = values.get("chat_completion_requests", 0.0) + count
+            continue
         if not line.startswith("vllm:") or "_bucket" in line:
             continue
         name_labels, _, value = line.rpartition(" ")
@@ -939,6 +947,7 @@ def main() -> int:
             m = results.get(name, {}).get(label, {}).get("vllm_metrics")
             if m:
                 keys = [k for k in m if k.endswith(("_mean_s", "_hit_rate"))]
+                keys += [k for k in m if k == "chat_completion_requests"]
                 print(f"{name} {label}: " + ", ".join(f"{k} {m[k]:.3f}" for k in keys))
             cpu = results.get(name, {}).get(label, {}).get("cpu_by_process")
             if cpu:

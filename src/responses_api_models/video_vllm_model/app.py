@@ -28,8 +28,8 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   (:mod:`gym_video_env.coalesce`).
 - ``route_by_prompt`` sends each conversation to the vLLM server its prompt hashes to
   (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
-  meet on one server, where their first turns can be coalesced and their clip is processed once,
-  and no per-session table grows with the run.
+  meet on one server, where their first turns can be coalesced and their clip is processed once.
+  Either way no per-session table grows with the run.
 """
 
 from __future__ import annotations
@@ -207,9 +207,18 @@ class VideoVLLMModel(VLLMModel):
             raise
 
     def _resolve_client(self, request: Request) -> Any:
-        """The stock choice (by session), or the server chosen by prompt in :meth:`chat_completions`."""
+        """The server chosen by prompt in :meth:`chat_completions`, or the stock choice by session.
+
+        The stock server remembers each session's server, a stable hash of the session id, for
+        its lifetime: one entry for every rollout it ever served. The hash is recomputed instead
+        (the same server), so the server's memory does not grow with the run.
+        """
         index = getattr(request.state, "video_grpo_server", None)
-        return super()._resolve_client(request) if index is None else self._clients[index]
+        if index is not None:
+            return self._clients[index]
+        client = super()._resolve_client(request)
+        getattr(self, "_session_id_to_client", {}).clear()
+        return client
 
     def _name_media_input(self, error: ClientResponseError, body: Any) -> None:
         """Name the failing media input in vLLM's error body (``error.response_content``)."""

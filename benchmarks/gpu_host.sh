@@ -28,6 +28,8 @@
 #              one by its prompt's hash), with one Gym process each, with a 200 ms coalescing
 #              window; direct; stock both ways: whether each group now reaches vLLM as one request
 #              (vllm_metrics.chat_completion_requests per batch: 16 for 16 groups)
+#   rollout_repeat  ours as the recipe runs it, direct and stock again, in a second process: the
+#              comparison repeated on the same host
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -104,6 +106,8 @@ for name in "${jobs[@]}"; do
     rollout_affinity) job rollout_affinity 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "w1: rollout.gym_workers=1" --variant "win200: rollout.coalesce_window_ms=200" \
       --json "$out/rollout_affinity.json" ;;
+    rollout_repeat) job rollout_repeat 600 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --json "$out/rollout_repeat.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

@@ -222,6 +222,17 @@ def has_stock_trainer_engine(backend: str, version: str | None = None) -> bool:
     return since is not None and _since(*since, version)
 
 
+def ipc_worker_imports_once() -> bool:
+    """Whether the installed vLLM's ``ipc`` worker maps a packed export once for all its chunks
+    (``packed_tensor.PackedBufferImporter``, vLLM PR 51259). Releases before it rebuild and release
+    the mapping per chunk, which strands the trainer's buffer when the trainer exports it once, as
+    their own ``packed_ipc_producer`` does; ``rl_bridge.refit.legacy_engines.packed_ipc_chunks``
+    exports once per chunk, which is balanced with either worker."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    return hasattr(packed_tensor, "PackedBufferImporter")
+
+
 def trainer_engine_config_args(backend: str, version: str | None = None) -> tuple[Any, ...]:
     """The positional arguments ``TrainerWeightTransferEngine.__init__`` takes before the keyword
     ones: a ``WeightTransferConfig`` before 0.27 (:func:`trainer_engine_takes_config`), none from

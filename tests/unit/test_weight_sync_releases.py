@@ -6,7 +6,9 @@ engines, so :mod:`rl_bridge.refit.sync` drives them itself
 :class:`~rl_bridge.refit.legacy_engines.NCCLLegacyTrainerWeightTransferEngine`). Their data planes need CUDA;
 here vLLM's producers are replaced by recorders and the control plane by a fake client, so the
 order of the HTTP calls, their payloads for the release and the rank roles are checked. Against a
-server without weight versions (vLLM 0.26) the refit client keeps the version itself.
+server without weight versions (vLLM 0.26) the refit client keeps the version itself. The ``ipc``
+packer runs here on a CPU buffer with its export recorded: one export per chunk, the only pairing
+with 0.26's per-chunk rebuild that lets the trainer reclaim the buffer.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from typing import Any
 import pytest
 import torch
 
-from rl_bridge.refit import sync
+from rl_bridge.refit import legacy_engines, sync
 from rl_bridge.refit.client import RefitClient
 from rl_bridge.refit.legacy_engines import (
     IPCLegacyTrainerInitInfo,
     IPCLegacyTrainerWeightTransferEngine,
     NCCLLegacyTrainerInitInfo,
     NCCLLegacyTrainerWeightTransferEngine,
+    packed_ipc_chunks,
 )
 from rl_bridge.refit.sync import PolicyWeightSource
 from vllm_video_plugin import compat
@@ -78,11 +81,9 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_legacy_ipc_engine_drives_the_update_with_the_releases_payloads(
     release: str, no_cuda: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.distributed.weight_transfer import packed_tensor
-
-    def producer(iterator: Iterator[tuple[str, torch.Tensor]], gpu_uuid: str, post_iter_func: Any, buffer_size_bytes: int):  # type: ignore[no-untyped-def]
-        assert buffer_size_bytes == 1 << 20
-        for name, tensor in iterator:  # one chunk per tensor here
+    def producer(tensors: Iterator[tuple[str, torch.Tensor]], *, gpu_uuid: str, buffer_bytes: int):  # type: ignore[no-untyped-def]
+        assert buffer_bytes == 1 << 20
+        for name, tensor in tensors:  # one chunk per tensor here
             yield SimpleNamespace(
                 names=[name],
                 dtype_names=[str(tensor.dtype).split(".")[-1]],
@@ -91,7 +92,7 @@ def test_the_legacy_ipc_engine_drives_the_update_with_the_releases_payloads(
                 ipc_handle={gpu_uuid: ("rebuild", name)},
             )
 
-    monkeypatch.setattr(packed_tensor, "packed_ipc_producer", producer)
+    monkeypatch.setattr(legacy_engines, "packed_ipc_chunks", producer)
     client = Client()
     engine = IPCLegacyTrainerWeightTransferEngine.trainer_init(
         IPCLegacyTrainerInitInfo(rank=0, packed_buffer_size_bytes=1 << 20),
@@ -116,22 +117,66 @@ def test_the_legacy_ipc_engine_drives_the_update_with_the_releases_payloads(
 def test_a_non_sender_ipc_rank_packs_its_buffer_and_calls_nothing(
     release: str, no_cuda: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.distributed.weight_transfer import packed_tensor
-
     packed: list[str] = []
 
-    def producer(iterator: Iterator[tuple[str, torch.Tensor]], **kwargs: Any):  # type: ignore[no-untyped-def]
-        for name, _ in iterator:
+    def producer(tensors: Iterator[tuple[str, torch.Tensor]], **kwargs: Any):  # type: ignore[no-untyped-def]
+        for name, _ in tensors:
             packed.append(name)
             yield SimpleNamespace(names=[name], dtype_names=[], shapes=[], tensor_sizes=[], ipc_handle={})
 
-    monkeypatch.setattr(packed_tensor, "packed_ipc_producer", producer)
+    monkeypatch.setattr(legacy_engines, "packed_ipc_chunks", producer)
     client = Client()
     engine = IPCLegacyTrainerWeightTransferEngine.trainer_init(
         IPCLegacyTrainerInitInfo(rank=1), client=client, source=PolicyWeightSource(lambda: iter(WEIGHTS))  # type: ignore[arg-type]
     )
     engine.send_weights()
     assert client.calls == [] and packed == [name for name, _ in WEIGHTS]
+
+
+def test_the_ipc_packer_packs_in_order_and_exports_the_buffer_once_per_chunk() -> None:
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    tensors = dict(
+        a=torch.arange(6, dtype=torch.float32),  # 24 bytes
+        b=torch.full((2, 3), 7, dtype=torch.bfloat16),  # 12
+        c=torch.arange(8, dtype=torch.int64),  # 64: the whole buffer
+        d=torch.tensor([1.5]),  # 4
+    )
+    exported: list[tuple[int, torch.Tensor]] = []  # (buffer address, its bytes when exported)
+
+    def export(buffer: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        exported.append((buffer.data_ptr(), buffer.clone()))
+        return None, ("export", len(exported))
+
+    chunks = []
+    packer = packed_ipc_chunks(tensors.items(), gpu_uuid="GPU-0", buffer_bytes=64, device="cpu", export=export)
+    for chunk in packer:
+        assert chunk.ipc_handle == {"GPU-0": ("export", len(exported))}  # this chunk's own export
+        received = unpack_tensor(  # what vLLM's worker reads from it
+            exported[-1][1][: sum(chunk.tensor_sizes)],
+            chunk.names,
+            chunk.shapes,
+            [getattr(torch, name) for name in chunk.dtype_names],
+            chunk.tensor_sizes,
+        )
+        for name, tensor in received:
+            assert torch.equal(tensor, tensors[name]), name
+        chunks.append((chunk.names, chunk.tensor_sizes))
+    assert chunks == [(["a", "b"], [24, 12]), (["c"], [64]), (["d"], [4])]
+    assert len(exported) == 3 and len({address for address, _ in exported}) == 1  # one buffer
+
+
+def test_the_ipc_packer_refuses_a_tensor_larger_than_its_buffer() -> None:
+    with pytest.raises(ValueError, match=r"big is 80 bytes, more than the 64-byte buffer"):
+        list(
+            packed_ipc_chunks(
+                [("small", torch.zeros(2)), ("big", torch.zeros(20))],
+                gpu_uuid="GPU-0",
+                buffer_bytes=64,
+                device="cpu",
+                export=lambda buffer: (None, ()),
+            )
+        )
 
 
 def test_the_legacy_nccl_engine_announces_every_tensor_while_it_broadcasts(
@@ -211,6 +256,30 @@ def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
     else:
         assert engines == {"video_grpo_gloo": "stock", "ipc": "stock", "nccl": "stock"}
         assert [type(info).__name__ for info in made] == ["GlooTrainerInitInfo", "IPCTrainerInitInfo", "NCCLTrainerInitInfo"]
+
+def test_ipc_keeps_the_per_chunk_exporter_where_the_worker_maps_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release with vLLM's trainer engine but a worker without ``PackedBufferImporter`` (vLLM PR
+    51259) would strand vLLM's once-exported buffer every refit: this package's engine is used."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    monkeypatch.setattr(compat, "has_stock_trainer_engine", lambda backend, version=None: True)
+    monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: "stock")
+    monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ours"))
+    common = {
+        "client": Client(),
+        "source": PolicyWeightSource(lambda: iter(WEIGHTS)),
+        "rank": 0,
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "world_size": 2,
+        "bucket_bytes": 1 << 20,
+        "timeout_s": 5.0,
+    }
+    if hasattr(packed_tensor, "PackedBufferImporter"):
+        assert sync._trainer_engine("ipc", **common) == "stock"
+        monkeypatch.delattr(packed_tensor, "PackedBufferImporter")
+    assert sync._trainer_engine("ipc", **common) == "ours"
+
 
 
 @pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))

@@ -5,16 +5,26 @@ vLLM registers trainer engines for its ``ipc`` worker engine from 0.27 and for `
 engine's HTTP calls itself and sends the data with the release's own producers (what the worker
 engine's static ``trainer_send_weights`` does); these two engines do exactly that, through the
 same ``VLLMWeightSyncClient``, with the payloads of ``compat.ipc_*`` and ``compat.nccl_*``.
+
+One departure: ``ipc`` packs with :func:`packed_ipc_chunks`, not the release's
+``packed_ipc_producer``. torch pairs one ``reduce_tensor`` export of a CUDA buffer with one
+rebuild-and-release by the consumer (the export sets a shared counter to 1, each release takes one
+off, and the producer reclaims a dropped buffer only once it reads 0). Before 0.27 the producer
+exports its buffer once and the worker rebuilds and releases it for every chunk, so an export of
+``k`` chunks ends at ``1 - k`` and the buffer is never reclaimed: one buffer a refit, the largest
+tensor's size or more (0.58 GiB a step on a Qwen2.5-VL-3B; vLLM issue 51258, fixed on the worker's
+side from the release that imports each export once). Exported once per chunk, every count ends at 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
@@ -31,7 +41,73 @@ __all__ = [
     "IPCLegacyTrainerWeightTransferEngine",
     "NCCLLegacyTrainerInitInfo",
     "NCCLLegacyTrainerWeightTransferEngine",
+    "PackedChunk",
+    "packed_ipc_chunks",
 ]
+
+
+@dataclass(frozen=True)
+class PackedChunk:
+    """One chunk of a packed ``ipc`` export: what ``/update_weights`` announces for it."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    dtype_names: list[str]
+    tensor_sizes: list[int]
+    """Bytes of each tensor, packed back to back from the buffer's start."""
+    ipc_handle: dict[str, tuple[Any, ...]]
+    """GPU UUID -> ``rebuild_cuda_tensor`` arguments of this chunk's own export of the buffer."""
+
+
+def packed_ipc_chunks(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    gpu_uuid: str,
+    buffer_bytes: int,
+    device: torch.device | str = "cuda",
+    export: Callable[[torch.Tensor], tuple[Any, tuple[Any, ...]]] = reduce_tensor,
+) -> Iterator[PackedChunk]:
+    """Pack ``tensors`` in order into one ``buffer_bytes`` device buffer, yielding a chunk each time
+    the next tensor would not fit and after the last: the packing of vLLM's ``packed_ipc_producer``
+    (the same chunks), except that the buffer is exported (``export``, torch's ``reduce_tensor``)
+    once per chunk, so that each of the worker's per-chunk rebuilds releases an export of its own
+    (see the module docstring). The caller must wait until the worker has read a chunk before it
+    resumes the generator, which then overwrites the buffer.
+
+    Raises:
+        ValueError: a tensor is larger than the buffer.
+    """
+    buffer = torch.empty(buffer_bytes, dtype=torch.uint8, device=device)
+    names: list[str] = []
+    shapes: list[list[int]] = []
+    dtype_names: list[str] = []
+    sizes: list[int] = []
+    used = 0
+
+    def chunk() -> PackedChunk:
+        if buffer.is_cuda:  # the copies queued on the stream land before the worker reads
+            torch.cuda.current_stream().synchronize()
+        _, rebuild_args = export(buffer)
+        return PackedChunk(names, shapes, dtype_names, sizes, {gpu_uuid: rebuild_args})
+
+    for name, tensor in tensors:
+        flat = tensor.contiguous().view(torch.uint8).view(-1)
+        if flat.numel() > buffer_bytes:
+            raise ValueError(
+                f"ipc refit: {name} is {flat.numel()} bytes, more than the {buffer_bytes}-byte buffer "
+                "(rl_bridge.refit.sync.ipc_buffer_bytes sizes it for the export's largest tensor)"
+            )
+        if used and used + flat.numel() > buffer_bytes:
+            yield chunk()
+            names, shapes, dtype_names, sizes, used = [], [], [], [], 0
+        buffer[used : used + flat.numel()].copy_(flat)
+        names.append(name)
+        shapes.append(list(tensor.shape))
+        dtype_names.append(str(tensor.dtype).removeprefix("torch."))
+        sizes.append(flat.numel())
+        used += flat.numel()
+    if used:
+        yield chunk()
 
 
 def _all_gather_ipc_handle(
@@ -74,8 +150,8 @@ class IPCLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     """The trainer half of vLLM's ``ipc`` engine for releases that have none (before 0.27),
     packed, as vLLM 0.27's ``IPCTrainerWeightTransferEngine`` does it: the sender initialises the
     worker engine (an empty init info), then per update ``/start_weight_update``; for each chunk
-    of vLLM's ``packed_ipc_producer`` (every rank copies its export into one bucket-sized device
-    buffer, registered for IPC once) the ranks all-gather their buffers' handles and the sender
+    of :func:`packed_ipc_chunks` (every rank copies its export into one bucket-sized device
+    buffer, exported for IPC once per chunk) the ranks all-gather their buffers' handles and the sender
     posts one ``/update_weights`` (names, dtypes, shapes, ``tensor_sizes``, the handles by GPU
     UUID, ``packed: true``), and every rank waits at a barrier before the buffer is refilled;
     ``/finish_weight_update`` last. This is what 0.26's static
@@ -115,18 +191,11 @@ class IPCLegacyTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return engine
 
     def send_weights(self) -> None:
-        from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
-
         assert self.source is not None
         gpu_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         if self.is_sender:
             self.client.start_weight_update()
-        for chunk in packed_ipc_producer(
-            iterator=iter(self.source),
-            gpu_uuid=gpu_uuid,
-            post_iter_func=lambda item: item[1],
-            buffer_size_bytes=self.bucket_bytes,
-        ):
+        for chunk in packed_ipc_chunks(iter(self.source), gpu_uuid=gpu_uuid, buffer_bytes=self.bucket_bytes):
             handles = _all_gather_ipc_handle(chunk.ipc_handle, is_sender=self.is_sender)
             if self.is_sender:
                 self.client.update_weights(

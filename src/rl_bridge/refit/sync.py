@@ -9,7 +9,8 @@ trainer-side engine moves the tensors:
   the trainer half of :mod:`vllm_video_plugin.refit_receiver`;
 - ``nccl`` (GPUs, split placement) and ``ipc`` (GPUs, colocated: each policy rank packs its export
   into one bucket-sized device buffer that vLLM's worker on the same GPU reads through a CUDA IPC
-  handle): vLLM's stock engines, or before 0.27 (``ipc``) and 0.28 (``nccl``)
+  handle): vLLM's stock engines, or before 0.27 (``ipc``; also later while vLLM's worker still maps
+  a packed export per chunk, which strands vLLM's own trainer buffer) and 0.28 (``nccl``)
   :mod:`rl_bridge.refit.legacy_engines` (:mod:`vllm_video_plugin.compat`).
 
 :class:`PolicyWeightSource` is a ``WeightSource`` over a policy's
@@ -179,7 +180,8 @@ def _trainer_engine(
 ) -> TrainerWeightTransferEngine:
     """A ready trainer engine of ``backend`` for this rank: through vLLM's trainer factory where
     the installed release registers one for it (ours, ``video_grpo_gloo``, always; vLLM's ``ipc``
-    from 0.27, ``nccl`` from 0.28), else :mod:`.legacy_engines`' engine of the older protocol."""
+    from 0.27 where its worker maps each packed export once, ``nccl`` from 0.28), else
+    :mod:`.legacy_engines`' engine of the older protocol."""
     if backend == GLOO_BACKEND:
         info: TrainerInitInfo = GlooTrainerInitInfo(
             master_address=master_address,
@@ -191,9 +193,10 @@ def _trainer_engine(
         )
     elif backend == "ipc":
         # No rendezvous: every rank shares its buffer's handle, rank 0 ships them all (vLLM's
-        # workers pick the one of their GPU). Packed: one bucket-sized buffer per rank.
+        # workers pick the one of their GPU). Packed: one bucket-sized buffer per rank. vLLM's own
+        # trainer engine only where its worker maps each export once (else its buffer leaks).
         bucket_bytes = ipc_buffer_bytes(source, bucket_bytes)
-        if not compat.has_stock_trainer_engine("ipc"):
+        if not (compat.has_stock_trainer_engine("ipc") and compat.ipc_worker_imports_once()):
             return IPCLegacyTrainerWeightTransferEngine.trainer_init(
                 IPCLegacyTrainerInitInfo(rank=rank, packed_buffer_size_bytes=bucket_bytes),
                 client=client,

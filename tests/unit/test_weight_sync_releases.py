@@ -231,16 +231,9 @@ def test_the_legacy_nccl_engine_refuses_a_source_that_disagrees_with_its_metadat
         engine.send_weights()
 
 
-@pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))  # stock init infos: the installed release's
-def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
-    release: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(compat, "installed_version", lambda: release)
-    made: list[Any] = []
-    monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: made.append(info) or "stock")
-    monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ipc-legacy"))
-    monkeypatch.setattr(NCCLLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "nccl-legacy"))
-    common = {
+def engine_args() -> dict[str, Any]:
+    """``sync._trainer_engine``'s keyword arguments for one sender and one vLLM worker."""
+    return {
         "client": Client(),
         "source": PolicyWeightSource(lambda: iter(WEIGHTS)),
         "rank": 0,
@@ -250,12 +243,24 @@ def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
         "bucket_bytes": 1 << 20,
         "timeout_s": 5.0,
     }
-    engines = {backend: sync._trainer_engine(backend, **common) for backend in ("video_grpo_gloo", "ipc", "nccl")}
+
+
+@pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))  # stock init infos: the installed release's
+def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compat, "installed_version", lambda: release)
+    made: list[Any] = []
+    monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: made.append(info) or "stock")
+    monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ipc-legacy"))
+    monkeypatch.setattr(NCCLLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "nccl-legacy"))
+    engines = {backend: sync._trainer_engine(backend, **engine_args()) for backend in ("video_grpo_gloo", "ipc", "nccl")}
     if release == "0.26.0":
         assert engines == {"video_grpo_gloo": "stock", "ipc": "ipc-legacy", "nccl": "nccl-legacy"}
     else:
         assert engines == {"video_grpo_gloo": "stock", "ipc": "stock", "nccl": "stock"}
         assert [type(info).__name__ for info in made] == ["GlooTrainerInitInfo", "IPCTrainerInitInfo", "NCCLTrainerInitInfo"]
+
 
 def test_ipc_keeps_the_per_chunk_exporter_where_the_worker_maps_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """A release with vLLM's trainer engine but a worker without ``PackedBufferImporter`` (vLLM PR
@@ -265,21 +270,10 @@ def test_ipc_keeps_the_per_chunk_exporter_where_the_worker_maps_per_chunk(monkey
     monkeypatch.setattr(compat, "has_stock_trainer_engine", lambda backend, version=None: True)
     monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: "stock")
     monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ours"))
-    common = {
-        "client": Client(),
-        "source": PolicyWeightSource(lambda: iter(WEIGHTS)),
-        "rank": 0,
-        "master_address": "127.0.0.1",
-        "master_port": 1,
-        "world_size": 2,
-        "bucket_bytes": 1 << 20,
-        "timeout_s": 5.0,
-    }
     if hasattr(packed_tensor, "PackedBufferImporter"):
-        assert sync._trainer_engine("ipc", **common) == "stock"
+        assert sync._trainer_engine("ipc", **engine_args()) == "stock"
         monkeypatch.delattr(packed_tensor, "PackedBufferImporter")
-    assert sync._trainer_engine("ipc", **common) == "ours"
-
+    assert sync._trainer_engine("ipc", **engine_args()) == "ours"
 
 
 @pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))

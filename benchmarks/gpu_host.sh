@@ -34,6 +34,9 @@
 #              also with a 200 ms coalescing window and with eight Gym processes a server: whether the
 #              clips' processing, serial in one API server process (0.6-0.7 CPU s of a 0.9-1.1 s batch
 #              on an H100), and the Gym path's processes are what ours waits on
+#   ipc_refcount  benchmarks/ipc_refcount.py: with torch alone, whether the trainer gets its packed
+#              ipc refit buffer back after each refit when vLLM 0.26's worker releases it per chunk,
+#              exported once (vLLM's packer) against once per chunk (this package's)
 #   r3b_fp32   the 3B recipe's first step in fp32 (micro-batches of 1): its token probability error
 #              against the bf16 run's 1.14
 #   load_3b    benchmarks/load.py, 3B-shaped model: ours against vLLM's opencv loader, 64 videos
@@ -116,6 +119,7 @@ for name in "${jobs[@]}"; do
       model.vllm_api_servers=4 --variant "w200: rollout.coalesce_window_ms=200" \
       --variant "w8: rollout.gym_workers=8" \
       --json "$out/rollout_as4.json" ;;
+    ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \
       rc=$?; keep_run runs/r3b_fp32 r3b_fp32; exit $rc' ;;

@@ -361,6 +361,10 @@ def collect_rollouts(
     tasks: list[asyncio.Task[RolloutResult]] = []
     loop = asyncio.new_event_loop()
 
+    def cancel() -> None:
+        for task in tasks:
+            task.cancel()
+
     async def run_all() -> None:
         limit = asyncio.Semaphore(settings.max_in_flight)
         blocking = (
@@ -379,15 +383,10 @@ def collect_rollouts(
                     finished.put(await next_done)
         except BaseException as failure:  # noqa: BLE001 (the caller's thread raises it)
             finished.put(failure)
-            for task in tasks:
-                task.cancel()
+            cancel()
         finally:
             if blocking is not None:
                 blocking.shutdown(wait=False, cancel_futures=True)
-
-    def cancel() -> None:
-        for task in tasks:
-            task.cancel()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(run_all(),), name="rollout", daemon=True)
     results: list[RolloutResult | None] = [None] * len(rows)

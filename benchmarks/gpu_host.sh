@@ -119,6 +119,8 @@ for name in "${jobs[@]}"; do
       model.vllm_api_servers=4 --variant "w200: rollout.coalesce_window_ms=200" \
       --variant "w8: rollout.gym_workers=8" \
       --json "$out/rollout_as4.json" ;;
+    rollout_as4_plain) job rollout_as4_plain 600 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      model.vllm_api_servers=4 --json "$out/rollout_as4_plain.json" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \

@@ -276,8 +276,40 @@ def cpu_line(cpu: dict[str, dict[str, float]]) -> str:
 # -- ours and seed: vLLM server + Gym ------------------------------------------------------------------
 
 
-def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Roll ``rows`` out through the agent as ``RolloutStage.groups`` does; wall time and vLLM's counters."""
+def coalescing(model_urls: list[str]) -> dict[str, Any]:
+    """The model servers' coalescing counters (``GET /coalescing``), summed over the replicas."""
+    total: dict[str, Any] = {}
+    for url in model_urls:
+        for key, value in requests.get(f"{url}/coalescing", timeout=30).json().items():
+            if isinstance(value, dict):
+                bucket = total.setdefault(key, {})
+                for bound, count in value.items():
+                    bucket[bound] = bucket.get(bound, 0) + count
+            elif not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def coalescing_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What one batch added to the counters of :func:`coalescing`."""
+    delta: dict[str, Any] = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            delta[key] = {bound: count - before.get(key, {}).get(bound, 0) for bound, count in value.items()}
+        else:
+            delta[key] = value - before.get(key, 0)
+    return delta
+
+
+def timed_rollouts(
+    recipe: Any,
+    base_url: str,
+    agent_url: str,
+    rows: list[dict[str, Any]],
+    model_urls: list[str] | None = None,
+) -> dict[str, Any]:
+    """Roll ``rows`` out through the agent as ``RolloutStage.groups`` does; wall time, vLLM's
+    counters and, with coalescing, the model servers' (``model_urls``)."""
     from rl_bridge.rollout import RolloutSettings, collect_rollouts
 
     settings = RolloutSettings(
@@ -285,6 +317,10 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
         max_attempts=recipe.rollout.max_attempts,
         timeout_s=recipe.rollout.timeout_s,
     )
+    coalescing_before = None
+    if model_urls:
+        time.sleep(2.5)  # past the coalescers' late horizon (2 s): earlier batches' groups are not late
+        coalescing_before = coalescing(model_urls)
     before = scrape(base_url)
     cpu_before = cpu_snapshot()
     started = time.perf_counter()
@@ -295,7 +331,10 @@ def timed_rollouts(recipe: Any, base_url: str, agent_url: str, rows: list[dict[s
     ok = sum(res.outcome in ("ok", "policy_fault") for res in results)
     errors = [res.error for res in results if res.error]
     first_error = (errors[0] or "")[:500] if errors else ""
-    return batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
+    figures = batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
+    if coalescing_before is not None:
+        figures["coalescing"] = coalescing_delta(coalescing_before, coalescing(model_urls or []))
+    return figures
 
 
 def batch_figures(
@@ -443,6 +482,7 @@ def run_phase(
     untimed group, time each batch from cold caches; the Gym servers stop with ``stack``."""
     from rl_bridge.paths import project_root
     from rl_bridge.services.gym_server import start_gym_servers
+    from rl_bridge.tasks import MODEL_SERVER
 
     out: dict[str, Any] = {}
     recipe = phase.recipe
@@ -459,7 +499,10 @@ def run_phase(
                 timeout_s=600,
             )
         )
-        time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent))
+        model_urls = None
+        if recipe.rollout.coalesce_window_ms > 0:
+            model_urls = [gym.url(spec.name) for spec in specs if spec.name.startswith(MODEL_SERVER)]
+        time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent), model_urls=model_urls)
     out["gym_startup_s"] = time.perf_counter() - started
     warm = time_batch(warmup)
     out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
@@ -473,6 +516,14 @@ def run_phase(
             f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
             flush=True,
         )
+        if result.get("coalescing"):
+            counts = result["coalescing"]
+            print(
+                f"[{phase.name}]   coalescing: {counts['requests_sent']} requests for {counts['callers']} "
+                f"first turns, {counts['full']} full; a batch's callers' spread by bucket (s): "
+                f"{counts['arrival_spread_le_s']}; stragglers' delay by bucket (s): {counts['late_le_s']}",
+                flush=True,
+            )
         if result["first_error"]:
             print(f"[{phase.name}]   first error: {result['first_error'][:300]}", flush=True)
         if result["ok"] < result["samples"]:

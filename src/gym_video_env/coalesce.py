@@ -9,6 +9,14 @@ request with ``n`` set to their count, and each caller gets a response holding o
 choices, as if it had asked alone. vLLM samples the ``n`` choices independently, so each
 caller's sample is distributed as before; only the calls to vLLM are fewer.
 
+:meth:`CoalescingClient.stats` counts how batches went out: full (``max_n`` callers, e.g. a whole
+GRPO group) or when the window closed, how far apart a batch's callers arrived, and how late the
+stragglers came: a batch opened for a body whose earlier batch went out short (within
+``late_horizon_s``) is late by the time since that earlier batch's first caller. A group whose
+samples arrive further apart than the window reaches vLLM as several requests, each loading and
+processing the clip again; the late counts say by how much a window would have had to be longer
+(the model server answers them at ``GET /coalescing``).
+
 Requests that already ask for several choices, carry a ``seed`` (one seed gives one sample) or
 stream pass through, and so do a conversation's later turns (a request holding an assistant
 message): a sample's history is rarely another's, and holding every later turn for the window
@@ -19,18 +27,24 @@ same error.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CoalescingClient", "split_choices"]
+__all__ = ["CoalescingClient", "split_choices", "SPREAD_BOUNDS_S"]
+
+SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+"""Upper bounds (seconds) of the arrival-spread and lateness buckets in :meth:`CoalescingClient.stats`."""
 
 
 @dataclass
 class _Batch:
     body: dict[str, Any]
+    opened: float
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+    last_arrival: float = 0.0
     sent: bool = False
 
 
@@ -41,9 +55,11 @@ class CoalescingClient:
         client: Gym's OpenAI client of one vLLM server (``NeMoGymAsyncOpenAI``).
         window_s: how long the first of identical requests waits for others; > 0.
         max_n: most choices in one request (a batch that fills up goes at once).
+        late_horizon_s: how long after a short batch's first caller a new batch of the same body
+            counts as its stragglers (in ``stats()["late_le_s"]``), not as a new request.
     """
 
-    def __init__(self, client: Any, *, window_s: float, max_n: int = 64) -> None:
+    def __init__(self, client: Any, *, window_s: float, max_n: int = 64, late_horizon_s: float = 2.0) -> None:
         if window_s <= 0 or max_n < 1:
             raise ValueError(f"CoalescingClient: window_s={window_s} must be > 0 and max_n={max_n} >= 1")
         self._client = client
@@ -56,6 +72,12 @@ class CoalescingClient:
         """Requests sent to vLLM for coalesced bodies (one per batch)."""
         self.requests_coalesced = 0
         """Callers whose request went out in a batch (one or more callers each)."""
+        self._full_batches = 0
+        self._spread_sum_s = 0.0
+        self._spread_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
+        self.late_horizon_s = late_horizon_s
+        self._short: dict[str, float] = {}  # body -> first caller of its batch that went out short
+        self._late_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_client":  # not set yet
@@ -63,7 +85,13 @@ class CoalescingClient:
         return getattr(self._client, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or name in ("window_s", "max_n", "requests_sent", "requests_coalesced"):
+        if name.startswith("_") or name in (
+            "window_s",
+            "max_n",
+            "late_horizon_s",
+            "requests_sent",
+            "requests_coalesced",
+        ):
             object.__setattr__(self, name, value)
         else:  # e.g. max_connection_retries: the wrapped client's
             setattr(self._client, name, value)
@@ -72,12 +100,17 @@ class CoalescingClient:
         if body.get("n", 1) != 1 or body.get("seed") is not None or body.get("stream") or _later_turn(body):
             return await self._send(**body)
         key = json.dumps(body, sort_keys=True, default=str)
+        loop = asyncio.get_running_loop()
         batch = self._open.get(key)
         if batch is None:
-            batch = self._open[key] = _Batch(body)
-            asyncio.get_running_loop().call_later(self.window_s, self._dispatch, key, batch)
-        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            batch = self._open[key] = _Batch(body, opened=loop.time())
+            loop.call_later(self.window_s, self._dispatch, key, batch)
+            first = self._short.get(key)
+            if first is not None and batch.opened - first <= self.late_horizon_s:
+                self._late_counts[bisect.bisect_left(SPREAD_BOUNDS_S, batch.opened - first)] += 1
+        waiter: asyncio.Future[dict[str, Any]] = loop.create_future()
         batch.waiters.append(waiter)
+        batch.last_arrival = loop.time()
         if len(batch.waiters) >= self.max_n:
             self._dispatch(key, batch)
         return await waiter
@@ -90,9 +123,46 @@ class CoalescingClient:
             del self._open[key]
         self.requests_sent += 1
         self.requests_coalesced += len(batch.waiters)
+        self._full_batches += len(batch.waiters) >= self.max_n
+        spread = max(0.0, batch.last_arrival - batch.opened)
+        self._spread_sum_s += spread
+        self._spread_counts[bisect.bisect_left(SPREAD_BOUNDS_S, spread)] += 1
+        self._track_short(key, batch)
         task = asyncio.get_running_loop().create_task(self._send_batch(batch))
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+
+    def _track_short(self, key: str, batch: _Batch) -> None:
+        """Remember when a short batch's body was first asked for; forget bodies past the horizon
+        (the table holds the bodies of the last ``late_horizon_s`` only)."""
+        now = batch.opened
+        for stale in [k for k, first in self._short.items() if now - first > self.late_horizon_s]:
+            del self._short[stale]
+        if len(batch.waiters) >= self.max_n:
+            self._short.pop(key, None)
+        else:
+            self._short.setdefault(key, batch.opened)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the client was made (monotonic: take differences around a batch).
+
+        ``requests_sent``: requests sent for coalesced bodies; ``callers``: the callers they
+        answered; ``full``: of the requests, those sent with ``max_n`` callers, the others went
+        when the window closed; ``arrival_spread_s_sum``: over the requests, the time from a
+        batch's first caller to its last; ``arrival_spread_le_s``: requests per spread bucket,
+        keyed by the bucket's upper bound in seconds (``"inf"`` the last); ``late_le_s``: batches
+        opened for a body whose earlier batch went out short, by their first caller's delay after
+        that batch's first caller (same buckets; within ``late_horizon_s``).
+        """
+        bounds = [*(f"{bound:g}" for bound in SPREAD_BOUNDS_S), "inf"]
+        return {
+            "requests_sent": self.requests_sent,
+            "callers": self.requests_coalesced,
+            "full": self._full_batches,
+            "arrival_spread_s_sum": self._spread_sum_s,
+            "arrival_spread_le_s": dict(zip(bounds, self._spread_counts, strict=True)),
+            "late_le_s": dict(zip(bounds, self._late_counts, strict=True)),
+        }
 
     async def _send_batch(self, batch: _Batch) -> None:
         n = len(batch.waiters)

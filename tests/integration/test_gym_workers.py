@@ -9,7 +9,8 @@ run's own server specs (``TaskData.gym_specs``):
   logprobs; a complete group goes without waiting out the window. With several Gym workers too:
   the agent sends each group to one model-server replica (uvicorn workers on one port would split
   it, one group in eight staying whole with four samples over two workers); with several vLLM
-  servers, the model server sends each group to one.
+  servers, the model server sends each group to one. The model server's ``GET /coalescing``
+  counts the same: every request went out full.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
         results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
         elapsed = time.monotonic() - started
         calls = _chat_completion_calls(vllm_server) - before
+        replicas = [MODEL_SERVER, *(f"{MODEL_SERVER}_{i}" for i in range(1, workers))]
+        counters = [requests.get(f"{gym.url(name)}/coalescing", timeout=30).json() for name in replicas]
 
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
     turns = []
@@ -144,6 +147,12 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
         turns.append(turn)
     assert calls == len(prompts), f"vLLM answered {calls:.0f} chat completions for {len(prompts)} groups"
     assert elapsed < WINDOW_S / 2, f"{elapsed:.0f} s: full groups waited for the {WINDOW_S} s window"
+    # The model server's own account (GET /coalescing, summed over its replicas): every request full.
+    assert all(counter["enabled"] for counter in counters)
+    totals = {key: sum(counter[key] for counter in counters) for key in ("requests_sent", "callers", "full")}
+    assert totals == {"requests_sent": len(prompts), "callers": len(rows), "full": len(prompts)}
+    assert sum(sum(counter["arrival_spread_le_s"].values()) for counter in counters) == len(prompts)
+    assert sum(sum(counter["late_le_s"].values()) for counter in counters) == 0
     for start in range(0, len(turns), group):  # one prompt per group, each sample its own
         assert len({tuple(turn["prompt_token_ids"]) for turn in turns[start : start + group]}) == 1
 

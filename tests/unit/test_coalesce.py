@@ -124,3 +124,41 @@ def test_attributes_are_the_wrapped_clients() -> None:
 def test_split_refuses_a_response_with_another_number_of_choices() -> None:
     with pytest.raises(ValueError, match="asked vLLM for 3 choices, got 2"):
         split_choices({"choices": [{"index": 0}, {"index": 1}]}, 3)
+
+
+def test_stats_count_full_batches_and_how_far_apart_a_batchs_callers_arrived() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.3, max_n=3)
+
+    async def scenario() -> None:
+        first = [asyncio.create_task(client.create_chat_completion(**_body())) for _ in range(3)]  # full
+        late = asyncio.create_task(client.create_chat_completion(**_body("q")))
+        await asyncio.sleep(0.12)  # the second "q" joins 0.12 s after the first; the window closes
+        await asyncio.gather(*first, late, client.create_chat_completion(**_body("q")))
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    stats = client.stats()
+    assert (stats["requests_sent"], stats["callers"], stats["full"]) == (2, 5, 1)
+    assert 0.12 <= stats["arrival_spread_s_sum"] < 0.3
+    buckets = stats["arrival_spread_le_s"]
+    assert list(buckets) == ["0.01", "0.05", "0.1", "0.2", "0.5", "1", "2", "inf"]
+    assert (buckets["0.01"], buckets["0.2"], sum(buckets.values())) == (1, 1, 2)
+    assert sum(stats["late_le_s"].values()) == 0  # both batches held every caller that came
+
+
+def test_stragglers_of_a_short_batch_count_as_late_by_their_delay_within_the_horizon() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.03, max_n=4, late_horizon_s=0.4)
+
+    async def scenario() -> None:
+        calls = [asyncio.create_task(client.create_chat_completion(**_body()))]  # goes short at 0.03 s
+        await asyncio.sleep(0.12)
+        calls.append(asyncio.create_task(client.create_chat_completion(**_body())))  # late by 0.12 s
+        await asyncio.sleep(0.5)
+        calls.append(asyncio.create_task(client.create_chat_completion(**_body())))  # past the horizon
+        await asyncio.gather(*calls)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    stats = client.stats()
+    assert (stats["requests_sent"], stats["callers"], stats["full"]) == (3, 3, 0)
+    assert stats["late_le_s"]["0.2"] == 1 and sum(stats["late_le_s"].values()) == 1

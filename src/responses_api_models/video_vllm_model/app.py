@@ -25,7 +25,8 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   does is not replayed into every restarted vLLM.
 - ``coalesce_window_ms`` sends identical chat completions that arrive within that window (a GRPO
   group's first turns) to vLLM as one request with ``n`` choices, one for each caller
-  (:mod:`gym_video_env.coalesce`).
+  (:mod:`gym_video_env.coalesce`); ``GET /coalescing`` answers its counters, summed over the
+  vLLM servers (how many requests went out full, how far apart each batch's callers arrived).
 - ``route_by_prompt`` sends each conversation to the vLLM server its prompt hashes to
   (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
   meet on one server, where their first turns can be coalesced and their clip is processed once.
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from aiohttp.client_exceptions import ClientResponseError
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from nemo_gym.base_responses_api_model import Body
 from nemo_gym.openai_utils import (
@@ -131,6 +132,10 @@ class VideoVLLMModel(VLLMModel):
 
     # vLLM's /tokenize must sample frames as the generation did, or the prompt token ids differ.
     _TOKENIZE_CHAT_FIELDS: ClassVar[tuple[str, ...]] = (*VLLMModel._TOKENIZE_CHAT_FIELDS, "media_io_kwargs")
+    # Gym's model-call capture leaves this route out: it reads counters, it generates nothing.
+    non_generating_model_routes: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        getattr(VLLMModel, "non_generating_model_routes", ())
+    ) | {("GET", "/coalescing")}
     _media_settings: MediaSettings = PrivateAttr()
     _contract: VideoSamplingContract | None = PrivateAttr(default=None)
 
@@ -155,6 +160,26 @@ class VideoVLLMModel(VLLMModel):
                 )
                 for client in self._clients
             ]
+
+    def setup_webserver(self) -> FastAPI:
+        app = super().setup_webserver()
+        app.get("/coalescing")(self.coalescing)
+        return app
+
+    async def coalescing(self) -> dict[str, Any]:
+        """The coalescing counters (:meth:`CoalescingClient.stats`) summed over the vLLM servers;
+        ``enabled`` false and no counters when ``coalesce_window_ms`` is 0."""
+        clients = [client for client in self._clients if isinstance(client, CoalescingClient)]
+        total: dict[str, Any] = {"enabled": bool(clients)}
+        for stats in (client.stats() for client in clients):
+            for key, value in stats.items():
+                if isinstance(value, dict):
+                    bucket = total.setdefault(key, {})
+                    for bound, count in value.items():
+                        bucket[bound] = bucket.get(bound, 0) + count
+                else:
+                    total[key] = total.get(key, 0) + value
+        return total
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
         """Prepare the media of the raw body, then serve it as the stock server does."""

@@ -304,7 +304,7 @@ def coalescing_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
 def timed_rollouts(
     recipe: Any,
     base_url: str,
-    agent_url: str,
+    agent_url: str | tuple[str, ...],
     rows: list[dict[str, Any]],
     model_urls: list[str] | None = None,
 ) -> dict[str, Any]:
@@ -490,7 +490,7 @@ def run_phase(
     if phase.direct:
         time_batch: Callable[..., dict[str, Any]] = partial(timed_direct, recipe, server, data)
     else:
-        specs, agent = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
+        specs, agents = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
         gym = stack.enter_context(
             start_gym_servers(
                 specs,
@@ -502,7 +502,8 @@ def run_phase(
         model_urls = None
         if recipe.rollout.coalesce_window_ms > 0:
             model_urls = [gym.url(spec.name) for spec in specs if spec.name.startswith(MODEL_SERVER)]
-        time_batch = partial(timed_rollouts, recipe, server.base_url, gym.url(agent), model_urls=model_urls)
+        agent_urls = tuple(gym.url(agent) for agent in agents)
+        time_batch = partial(timed_rollouts, recipe, server.base_url, agent_urls, model_urls=model_urls)
     out["gym_startup_s"] = time.perf_counter() - started
     warm = time_batch(warmup)
     out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}

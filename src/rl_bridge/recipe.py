@@ -496,12 +496,13 @@ class RolloutSection(_Section):
     are masked instead."""
     max_in_flight: PositiveInt = 16
     gym_workers: PositiveInt = 1
-    """Processes of each Gym server. The agent and the resources server run as nemo-gym's
-    ``num_workers`` uvicorn workers sharing the server's port; the model server as that many
-    replicas on ports of their own, the agent sending each trajectory's model calls to the replica
-    its prompt hashes to (``gym_video_env.affinity``), so a group's first turns meet in one process
-    (which ``coalesce_window_ms`` needs). Each Gym server is one Python process by default; with
-    many rollouts in flight on a host with cores to spare, more spread their request handling."""
+    """Processes of each Gym server: the agent, the resources server and the model server each run
+    as that many replicas on ports of their own, agent replica ``i`` calling resources and model
+    replica ``i``, and the rollout client sends each row to the agent replica its prompt hashes to
+    (``gym_video_env.affinity``): a group's samples take one path, so its first turns reach one
+    model-server process together (which ``coalesce_window_ms`` needs) and a session's calls one
+    resources process. Each Gym server is one Python process by default; with many rollouts in
+    flight on a host with cores to spare, more spread their request handling (by groups)."""
     coalesce_window_ms: NonNegativeFloat = 0.0
     """The model server holds the first of identical requests this long and sends those that
     arrive meanwhile to vLLM as one request with ``n`` choices, one per sample

@@ -285,7 +285,7 @@ async def _run_once(session: aiohttp.ClientSession, url: str, row: Mapping[str, 
 
 
 def collect_rollouts(
-    agent_url: str,
+    agent_url: str | Sequence[str],
     rows: Sequence[Mapping[str, Any]],
     settings: RolloutSettings | None = None,
     *,
@@ -295,7 +295,9 @@ def collect_rollouts(
     """Run every row through ``<agent_url>/run``; see the module docstring for the outcomes.
 
     Args:
-        agent_url: the agent server's base URL, e.g. ``http://127.0.0.1:8123``.
+        agent_url: the agent server's base URL, e.g. ``http://127.0.0.1:8123``, or its replicas'
+            (``rollout.gym_workers``): each row goes to the one its :func:`prompt_key` picks, so a
+            group's samples (and a row's retries) all go to one.
         rows: Gym rows (``responses_create_params`` plus the verifier's fields), posted as they are.
         settings: dispatch settings; ``None`` means the defaults.
         supervisor: keeps the server behind the agent (vLLM) up; rows in flight when it is
@@ -310,7 +312,10 @@ def collect_rollouts(
             rows not yet finished are abandoned (no result is returned).
     """
     settings = settings or RolloutSettings()
-    url = agent_url.rstrip("/") + "/run"
+    urls = [agent_url] if isinstance(agent_url, str) else list(agent_url)
+    if not urls:
+        raise ValueError("collect_rollouts: no agent URL")
+    run_urls = [url.rstrip("/") + "/run" for url in urls]
     stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
@@ -324,6 +329,7 @@ def collect_rollouts(
         error = ""
         attempts = redispatches = 0
         key = prompt_key(rows[index])
+        url = run_urls[int(key, 16) % len(run_urls)]
         loop = asyncio.get_running_loop()
         async with limit:
             while attempts < settings.max_attempts:

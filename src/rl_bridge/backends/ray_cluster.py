@@ -205,9 +205,15 @@ class GymServersActor:
         return _node_info()
 
     def start(
-        self, specs: list[GymServerSpec], agent: str, run_dir: str, extra_roots: list[str], *, expose: bool
+        self,
+        specs: list[GymServerSpec],
+        agents: tuple[str, ...],
+        run_dir: str,
+        extra_roots: list[str],
+        *,
+        expose: bool,
     ) -> dict[str, Any]:
-        """Start the servers of ``specs`` and return the agent's URL and the server process ids.
+        """Start the servers of ``specs`` and return the agents' URLs and the server process ids.
 
         Args:
             expose: bind every server to this node's IP (the driver is on another node);
@@ -223,7 +229,7 @@ class GymServersActor:
         )
         pids = {name: process.pid for name, process in self._servers.processes.items()}
         self._guardian = guard_process_groups(list(pids.values()))
-        return {"agent_url": self._servers.url(agent), "server_pids": pids}
+        return {"agent_url": [self._servers.url(agent) for agent in agents], "server_pids": pids}
 
     def stop(self) -> None:
         """Stop the servers and their guardian (safe to call more than once)."""
@@ -460,12 +466,12 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     ]
     served = _gather(vllm_refs)
     openai_urls = [replica["openai_url"] for replica in served]
-    specs, agent = data.gym_specs(
+    specs, agents = data.gym_specs(
         recipe, openai_url=openai_urls if several else openai_urls[0], model_name=served[0]["model_name"]
     )
     gym_ref = gym.start.remote(
         specs,
-        agent,
+        agents,
         str(run_dir / "logs" / "gym"),
         [str(gym_servers_root())],
         expose=nodes["gym"]["node_id"] != driver_node,
@@ -485,7 +491,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
     transport = ray_transport(workers)
     return Roles(
         vllm_base_urls=tuple(replica["base_url"] for replica in served),
-        agent_url=gym_started["agent_url"],
+        agent_url=tuple(gym_started["agent_url"]),
         policy=policy_ranks.RankedPolicy("policy", transport, layouts),
         reference=policy_ranks.RankedPolicy("reference", transport, layouts) if with_reference else None,
         placement=placement_summary(plan, "ray"),

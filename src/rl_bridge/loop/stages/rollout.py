@@ -129,10 +129,12 @@ def rollout_metrics(results: Sequence[RolloutResult], stats: RolloutStats) -> di
 class RolloutStage:
     """Rolls rows out through the run's Gym agent, with the recipe's sampling and dispatch settings."""
 
-    def __init__(self, recipe: Recipe, agent_url: str, supervisor: Any, masked: MaskedLog) -> None:
+    def __init__(
+        self, recipe: Recipe, agent_url: str | tuple[str, ...], supervisor: Any, masked: MaskedLog
+    ) -> None:
         """
         Args:
-            agent_url: the Gym agent server's base URL.
+            agent_url: the Gym agent server's base URL, or its replicas' (see ``collect_rollouts``).
             supervisor: keeps vLLM up (:class:`~rl_bridge.services.supervisor.ServiceSupervisor`),
                 or ``None``.
             masked: where failed rows are recorded.

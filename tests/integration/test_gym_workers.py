@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -97,6 +98,32 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
         assert result.result["reward"] in (0.0, 1.0)
 
 
+GROUP = 4
+
+
+def _coalescing_task(
+    tmp_path: Path, model_dir: Path, *, workers: int, prompts: int, seed: int
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]], TaskData]:
+    """The tiny recipe with coalescing (a window complete groups must not wait out), ``GROUP``
+    samples a prompt and ``workers`` Gym processes a server; its prompts, rows and task data."""
+    recipe = load_recipe(
+        "recipes/tiny_cpu_sync.yaml",
+        [
+            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
+            "rollout.restrict_to_options=false",
+            f"rollout.group_size={GROUP}",
+            f"rollout.gym_workers={workers}",
+        ],
+    )
+    media_root = tmp_path / "media"
+    rows_of_prompts = task_rows(recipe.task, media_root, prompts, seed=seed, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in rows_of_prompts for _ in range(GROUP)]
+    data = TaskData(
+        model_dir=model_dir, media_root=media_root, train_rows=rows_of_prompts, val_rows=[], letter_ids=[]
+    )
+    return recipe, rows_of_prompts, rows, data
+
+
 def _chat_completion_calls(server: VLLMServer) -> float:
     """HTTP requests vLLM's API server has answered on ``/v1/chat/completions`` (its Prometheus
     instrumentation; vLLM's own counters count each of ``n`` choices as a request)."""
@@ -112,22 +139,9 @@ def _chat_completion_calls(server: VLLMServer) -> float:
 def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path, workers: int
 ) -> None:
-    group = 4
-    recipe = load_recipe(
-        "recipes/tiny_cpu_sync.yaml",
-        [
-            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
-            "rollout.restrict_to_options=false",
-            f"rollout.group_size={group}",
-            f"rollout.gym_workers={workers}",
-        ],
-    )
-    media_root = tmp_path / "media"
-    prompts = task_rows(recipe.task, media_root, 3, seed=1, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
-    data = TaskData(
-        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
-    )
+    group = GROUP
+    task = _coalescing_task(tmp_path, tiny_qwen25vl, workers=workers, prompts=3, seed=1)
+    recipe, prompts, rows, data = task
     specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )
@@ -209,22 +223,7 @@ def test_an_agent_with_model_servers_sends_each_group_to_the_replica_its_prompt_
     """Without a trainer in front (one agent), ``video_tools_agent``'s ``model_servers`` lists
     replicas of its model server; the agent picks one by the prompt (``gym_video_env.affinity``),
     so each model-server replica coalesces the groups it got, and both get some."""
-    group = 4
-    recipe = load_recipe(
-        "recipes/tiny_cpu_sync.yaml",
-        [
-            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
-            "rollout.restrict_to_options=false",
-            f"rollout.group_size={group}",
-            "rollout.gym_workers=2",
-        ],
-    )
-    media_root = tmp_path / "media"
-    prompts = task_rows(recipe.task, media_root, 6, seed=3, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
-    data = TaskData(
-        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
-    )
+    recipe, _, rows, data = _coalescing_task(tmp_path, tiny_qwen25vl, workers=2, prompts=6, seed=3)
     specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )

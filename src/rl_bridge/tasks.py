@@ -172,7 +172,7 @@ class TaskData:
         hashes to (``gym_video_env.affinity``), so a group's samples stay in one process of each
         server all the way, and its first turns reach the model server together. (uvicorn workers
         sharing a port take connections whichever is free: a group's samples would wait in
-        different queues, and a session's calls could reach different resources processes.)
+        different queues.)
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
         with every request when sampling is restricted to the option letters; media in tool

@@ -241,3 +241,47 @@ def test_an_agent_with_model_servers_sends_each_group_to_the_replica_its_prompt_
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
     assert [counter["requests_sent"] == counter["full"] > 0 for counter in counters] == [True, True], counters
     assert sum(counter["callers"] for counter in counters) == len(rows)
+
+
+def test_a_multi_turn_environment_keeps_each_session_on_its_resources_replica(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    """``video_segments`` keeps each session's segments in its process's memory and serves the
+    next clip after every model turn: with several Gym workers, every call of a session must
+    reach the resources replica that seeded it. Each trajectory of the multi-turn recipe's task
+    holds all its clips, each in a later turn, and is graded."""
+    recipe = load_recipe(
+        "recipes/tiny_cpu_multiturn.yaml",
+        [f"rollout.gym_workers={WORKERS}", "rollout.group_size=2", "rollout.restrict_to_options=false"],
+    )
+    segments = recipe.task.num_segments
+    media_root = tmp_path / "media"
+    prompts = task_rows(recipe.task, media_root, 4, seed=4, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(recipe.rollout.group_size)]
+    data = TaskData(
+        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
+    )
+    specs, agents = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+    assert len(agents) == WORKERS
+
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        agent_urls = [gym.url(agent) for agent in agents]
+        results, stats = collect_rollouts(agent_urls, rows, RolloutSettings(max_in_flight=len(rows)))
+
+    assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
+    for result in results:
+        output = result.result["response"]["output"]
+        turns = [item for item in output if item.get("role") == "assistant"]
+        clips = [
+            part
+            for item in output
+            if item.get("role") == "user"
+            for part in item.get("content") or []
+            if part.get("type") == "input_video"
+        ]
+        assert (len(turns), len(clips)) == (segments + 1, segments)
+        assert result.result["reward"] in (0.0, 1.0)

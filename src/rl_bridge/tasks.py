@@ -159,7 +159,8 @@ class TaskData:
         self, recipe: Recipe, *, openai_url: str | Sequence[str], model_name: str
     ) -> tuple[list[GymServerSpec], tuple[str, ...]]:
         """The Gym servers of the task and the names of the agent servers whose ``/run`` rolls out
-        (one, or ``rollout.gym_workers`` replicas: each row goes to the one its prompt hashes to).
+        (one, or ``rollout.gym_workers`` replicas, ``collect_rollouts`` sending each row to the one
+        its prompt hashes to).
 
         ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
         spreads sessions over them; with ``rollout.coalesce_window_ms``, groups: each group's
@@ -169,7 +170,7 @@ class TaskData:
         run as that many replicas of one process each (``task_agent``, ``task_agent_1``, ...;
         ``policy_model``, ``policy_model_1``, ...), agent replica ``i`` calling resources and
         model replica ``i``; the rollout client sends each row to the agent replica its prompt
-        hashes to (``gym_video_env.affinity``), so a group's samples stay in one process of each
+        hashes to (``rl_bridge.rollout.prompt_key``), so a group's samples stay in one process of each
         server all the way, and its first turns reach the model server together. (uvicorn workers
         sharing a port take connections whichever is free: a group's samples would wait in
         different queues.)

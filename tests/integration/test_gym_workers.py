@@ -57,17 +57,8 @@ def _replicas(name: str, workers: int) -> list[str]:
 def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
     tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
 ) -> None:
-    recipe = load_recipe(
-        "recipes/tiny_cpu_sync.yaml",
-        [f"rollout.gym_workers={WORKERS}", "rollout.restrict_to_options=false", "rollout.group_size=4"],
-    )
-    media_root = tmp_path / "media"  # under the session's temp root, which vllm_server allows
-    prompts = task_rows(recipe.task, media_root, 2, seed=0, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(recipe.rollout.group_size)]
-    data = TaskData(
-        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
-    )
-
+    overrides = [f"rollout.gym_workers={WORKERS}", "rollout.group_size=4"]
+    recipe, _, rows, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=2, seed=0)
     specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )
@@ -101,27 +92,39 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
 GROUP = 4
 
 
+def _task(
+    tmp_path: Path,
+    model_dir: Path,
+    overrides: list[str],
+    *,
+    prompts: int,
+    seed: int,
+    recipe: str = "tiny_cpu_sync",
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]], TaskData]:
+    """A tiny recipe (sampling not restricted to the option letters) with ``overrides``; its
+    prompts (clips under the session's temp root, which vllm_server allows), a group of rows for
+    each, and the task data."""
+    loaded = load_recipe(f"recipes/{recipe}.yaml", ["rollout.restrict_to_options=false", *overrides])
+    media_root = tmp_path / "media"
+    rows_of_prompts = task_rows(loaded.task, media_root, prompts, seed=seed, subdir="clips")
+    rows = [with_sampling(p, 1.0, 2) for p in rows_of_prompts for _ in range(loaded.rollout.group_size)]
+    data = TaskData(
+        model_dir=model_dir, media_root=media_root, train_rows=rows_of_prompts, val_rows=[], letter_ids=[]
+    )
+    return loaded, rows_of_prompts, rows, data
+
+
 def _coalescing_task(
     tmp_path: Path, model_dir: Path, *, workers: int, prompts: int, seed: int
 ) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]], TaskData]:
     """The tiny recipe with coalescing (a window complete groups must not wait out), ``GROUP``
-    samples a prompt and ``workers`` Gym processes a server; its prompts, rows and task data."""
-    recipe = load_recipe(
-        "recipes/tiny_cpu_sync.yaml",
-        [
-            f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
-            "rollout.restrict_to_options=false",
-            f"rollout.group_size={GROUP}",
-            f"rollout.gym_workers={workers}",
-        ],
-    )
-    media_root = tmp_path / "media"
-    rows_of_prompts = task_rows(recipe.task, media_root, prompts, seed=seed, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in rows_of_prompts for _ in range(GROUP)]
-    data = TaskData(
-        model_dir=model_dir, media_root=media_root, train_rows=rows_of_prompts, val_rows=[], letter_ids=[]
-    )
-    return recipe, rows_of_prompts, rows, data
+    samples a prompt and ``workers`` Gym processes a server."""
+    overrides = [
+        f"rollout.coalesce_window_ms={WINDOW_S * 1000}",
+        f"rollout.group_size={GROUP}",
+        f"rollout.gym_workers={workers}",
+    ]
+    return _task(tmp_path, model_dir, overrides, prompts=prompts, seed=seed)
 
 
 def _chat_completion_calls(server: VLLMServer) -> float:
@@ -186,16 +189,8 @@ def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(
     "server" here is a closed port: a group whose prompt hashes to it fails whole, every other
     group succeeds whole. Gym's routing by session id would split each group between the two."""
     group = 4
-    recipe = load_recipe(
-        "recipes/tiny_cpu_sync.yaml",
-        ["rollout.coalesce_window_ms=50", "rollout.restrict_to_options=false", f"rollout.group_size={group}"],
-    )
-    media_root = tmp_path / "media"
-    prompts = task_rows(recipe.task, media_root, 6, seed=2, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(group)]
-    data = TaskData(
-        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
-    )
+    overrides = ["rollout.coalesce_window_ms=50", f"rollout.group_size={group}"]
+    recipe, _, rows, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=6, seed=2)
     closed = f"http://127.0.0.1:{free_port()}/v1"
     specs, agents = data.gym_specs(
         recipe, openai_url=[vllm_server.openai_url, closed], model_name=vllm_server.model_name
@@ -250,17 +245,10 @@ def test_a_multi_turn_environment_keeps_each_session_on_its_resources_replica(
     next clip after every model turn: with several Gym workers, every call of a session must
     reach the resources replica that seeded it. Each trajectory of the multi-turn recipe's task
     holds all its clips, each in a later turn, and is graded."""
-    recipe = load_recipe(
-        "recipes/tiny_cpu_multiturn.yaml",
-        [f"rollout.gym_workers={WORKERS}", "rollout.group_size=2", "rollout.restrict_to_options=false"],
-    )
+    overrides = [f"rollout.gym_workers={WORKERS}", "rollout.group_size=2"]
+    task = _task(tmp_path, tiny_qwen25vl, overrides, prompts=4, seed=4, recipe="tiny_cpu_multiturn")
+    recipe, _, rows, data = task
     segments = recipe.task.num_segments
-    media_root = tmp_path / "media"
-    prompts = task_rows(recipe.task, media_root, 4, seed=4, subdir="clips")
-    rows = [with_sampling(p, 1.0, 2) for p in prompts for _ in range(recipe.rollout.group_size)]
-    data = TaskData(
-        model_dir=tiny_qwen25vl, media_root=media_root, train_rows=prompts, val_rows=[], letter_ids=[]
-    )
     specs, agents = data.gym_specs(
         recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
     )

@@ -278,15 +278,10 @@ def cpu_line(cpu: dict[str, dict[str, float]]) -> str:
 
 def coalescing(model_urls: list[str]) -> dict[str, Any]:
     """The model servers' coalescing counters (``GET /coalescing``), summed over the replicas."""
-    total: dict[str, Any] = {}
-    for url in model_urls:
-        for key, value in requests.get(f"{url}/coalescing", timeout=30).json().items():
-            if isinstance(value, dict):
-                bucket = total.setdefault(key, {})
-                for bound, count in value.items():
-                    bucket[bound] = bucket.get(bound, 0) + count
-            elif not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
+    from gym_video_env.coalesce import merged_stats
+
+    total = merged_stats(requests.get(f"{url}/coalescing", timeout=30).json() for url in model_urls)
+    total.pop("enabled", None)
     return total
 
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CoalescingClient", "split_choices", "SPREAD_BOUNDS_S"]
+__all__ = ["CoalescingClient", "SPREAD_BOUNDS_S", "merged_stats", "split_choices"]
 
 SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 """Upper bounds (seconds) of the arrival-spread and lateness buckets in :meth:`CoalescingClient.stats`."""
@@ -179,6 +179,23 @@ class CoalescingClient:
         for waiter, part in zip(batch.waiters, parts, strict=True):
             if not waiter.done():
                 waiter.set_result(part)
+
+
+def merged_stats(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several :meth:`CoalescingClient.stats` (several vLLM servers, several model-server
+    replicas) as one: counts and bucket counts added, flags true if any is."""
+    total: dict[str, Any] = {}
+    for one in stats:
+        for key, value in one.items():
+            if isinstance(value, Mapping):
+                bucket = total.setdefault(key, {})
+                for bound, count in value.items():
+                    bucket[bound] = bucket.get(bound, 0) + count
+            elif isinstance(value, bool):
+                total[key] = total.get(key, False) or value
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 def _later_turn(body: dict[str, Any]) -> bool:

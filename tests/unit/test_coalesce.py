@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gym_video_env.coalesce import CoalescingClient, split_choices
+from gym_video_env.coalesce import CoalescingClient, merged_stats, split_choices
 
 pytestmark = pytest.mark.unit
 
@@ -162,3 +162,10 @@ def test_stragglers_of_a_short_batch_count_as_late_by_their_delay_within_the_hor
     stats = client.stats()
     assert (stats["requests_sent"], stats["callers"], stats["full"]) == (3, 3, 0)
     assert stats["late_le_s"]["0.2"] == 1 and sum(stats["late_le_s"].values()) == 1
+
+
+def test_merged_stats_add_counts_and_buckets_and_keep_a_flag_true_if_any_is() -> None:
+    one = {"enabled": False, "requests_sent": 2, "late_le_s": {"0.1": 1, "inf": 0}}
+    two = {"enabled": True, "requests_sent": 3, "late_le_s": {"0.1": 2, "inf": 1}}
+    expected = {"enabled": True, "requests_sent": 5, "late_le_s": {"0.1": 3, "inf": 1}}
+    assert merged_stats([one, two]) == expected

@@ -59,7 +59,7 @@ from responses_api_models.vllm_model.app import (
 
 from gym_video_env import MediaSettings
 from gym_video_env.affinity import pick, prompt_key
-from gym_video_env.coalesce import CoalescingClient
+from gym_video_env.coalesce import CoalescingClient, merged_stats
 from gym_video_env.request_media import (
     MediaRequestError,
     ToolOutputMediaPolicy,
@@ -170,16 +170,7 @@ class VideoVLLMModel(VLLMModel):
         """The coalescing counters (:meth:`CoalescingClient.stats`) summed over the vLLM servers;
         ``enabled`` false and no counters when ``coalesce_window_ms`` is 0."""
         clients = [client for client in self._clients if isinstance(client, CoalescingClient)]
-        total: dict[str, Any] = {"enabled": bool(clients)}
-        for stats in (client.stats() for client in clients):
-            for key, value in stats.items():
-                if isinstance(value, dict):
-                    bucket = total.setdefault(key, {})
-                    for bound, count in value.items():
-                        bucket[bound] = bucket.get(bound, 0) + count
-                else:
-                    total[key] = total.get(key, 0) + value
-        return total
+        return {"enabled": bool(clients), **merged_stats(client.stats() for client in clients)}
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
         """Prepare the media of the raw body, then serve it as the stock server does."""

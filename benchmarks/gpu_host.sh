@@ -34,6 +34,12 @@
 #              also with a 200 ms coalescing window and with eight Gym processes a server: whether the
 #              clips' processing, serial in one API server process (0.6-0.7 CPU s of a 0.9-1.1 s batch
 #              on an H100), and the Gym path's processes are what ours waits on
+#   rollout_groups  ours as the recipe runs it (a fixed 50 ms window), with a 200 ms window, with a
+#              50 ms window that restarts at each sample (rollout.coalesce_max_wait_ms=1000), with
+#              eight Gym replicas and a 200 ms window; direct; stock both ways; every ours batch with
+#              the coalescing counters: whether whole groups bring ours to stock's time
+#   rollout_groups_as4  the same (less the restarting window) with four vLLM API servers
+#              (model.vllm_api_servers=4), direct and stock: whether they take ours past it
 #   ipc_refcount  benchmarks/ipc_refcount.py: with torch alone, whether the trainer gets its packed
 #              ipc refit buffer back after each refit when vLLM 0.26's worker releases it per chunk,
 #              exported once (vLLM's packer) against once per chunk (this package's)
@@ -121,6 +127,14 @@ for name in "${jobs[@]}"; do
       --json "$out/rollout_as4.json" ;;
     rollout_as4_plain) job rollout_as4_plain 600 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       model.vllm_api_servers=4 --json "$out/rollout_as4_plain.json" ;;
+    rollout_groups) job rollout_groups 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --variant "w200: rollout.coalesce_window_ms=200" --variant "slide: rollout.coalesce_max_wait_ms=1000" \
+      --variant "w8: rollout.gym_workers=8 rollout.coalesce_window_ms=200" \
+      --json "$out/rollout_groups.json" ;;
+    rollout_groups_as4) job rollout_groups_as4 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      model.vllm_api_servers=4 --variant "w200: rollout.coalesce_window_ms=200" \
+      --variant "w8: rollout.gym_workers=8 rollout.coalesce_window_ms=200" \
+      --json "$out/rollout_groups_as4.json" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \

@@ -6,7 +6,11 @@ the clip, hashes it, looks its processed form up and renders the prompt ``G`` ti
 API-server process, and answers ``G`` HTTP responses. :class:`CoalescingClient` holds the first
 of identical requests for ``window_s``; those that arrive meanwhile (up to ``max_n``) go out as one
 request with ``n`` set to their count, and each caller gets a response holding one of the
-choices, as if it had asked alone. vLLM samples the ``n`` choices independently, so each
+choices, as if it had asked alone. With ``max_wait_s`` the window restarts at each arrival: a
+batch goes once no caller has joined it for ``window_s``, and at the latest ``max_wait_s`` after its
+first caller, so a group whose samples come in a steady trickle (each queued behind other groups'
+work on its way through the Gym servers) still goes whole, while a group that is complete goes at
+once either way. vLLM samples the ``n`` choices independently, so each
 caller's sample is distributed as before; only the calls to vLLM are fewer.
 
 :meth:`CoalescingClient.stats` counts how batches went out: full (``max_n`` callers, e.g. a whole
@@ -46,6 +50,7 @@ class _Batch:
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
     last_arrival: float = 0.0
     sent: bool = False
+    timer: asyncio.TimerHandle | None = None
 
 
 class CoalescingClient:
@@ -55,17 +60,30 @@ class CoalescingClient:
         client: Gym's OpenAI client of one vLLM server (``NeMoGymAsyncOpenAI``).
         window_s: how long the first of identical requests waits for others; > 0.
         max_n: most choices in one request (a batch that fills up goes at once).
+        max_wait_s: if set (>= ``window_s``), the window restarts at each caller: a batch goes
+            ``window_s`` after its last caller, at the latest ``max_wait_s`` after its first.
         late_horizon_s: how long after a short batch's first caller a new batch of the same body
             counts as its stragglers (in ``stats()["late_le_s"]``), not as a new request.
     """
 
-    def __init__(self, client: Any, *, window_s: float, max_n: int = 64, late_horizon_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        window_s: float,
+        max_n: int = 64,
+        max_wait_s: float | None = None,
+        late_horizon_s: float = 2.0,
+    ) -> None:
         if window_s <= 0 or max_n < 1:
             raise ValueError(f"CoalescingClient: window_s={window_s} must be > 0 and max_n={max_n} >= 1")
+        if max_wait_s is not None and max_wait_s < window_s:
+            raise ValueError(f"CoalescingClient: max_wait_s={max_wait_s} must be >= window_s={window_s}")
         self._client = client
         self._send: Callable[..., Awaitable[dict[str, Any]]] = client.create_chat_completion
         self.window_s = window_s
         self.max_n = max_n
+        self.max_wait_s = max_wait_s
         self._open: dict[str, _Batch] = {}
         self._in_flight: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self.requests_sent = 0
@@ -88,6 +106,7 @@ class CoalescingClient:
         if name.startswith("_") or name in (
             "window_s",
             "max_n",
+            "max_wait_s",
             "late_horizon_s",
             "requests_sent",
             "requests_coalesced",
@@ -104,7 +123,7 @@ class CoalescingClient:
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Batch(body, opened=loop.time())
-            loop.call_later(self.window_s, self._dispatch, key, batch)
+            batch.timer = loop.call_later(self.window_s, self._dispatch, key, batch)
             first = self._short.get(key)
             if first is not None and batch.opened - first <= self.late_horizon_s:
                 self._late_counts[bisect.bisect_left(SPREAD_BOUNDS_S, batch.opened - first)] += 1
@@ -113,12 +132,19 @@ class CoalescingClient:
         batch.last_arrival = loop.time()
         if len(batch.waiters) >= self.max_n:
             self._dispatch(key, batch)
+        elif self.max_wait_s is not None and len(batch.waiters) > 1:  # the window restarts
+            assert batch.timer is not None
+            batch.timer.cancel()
+            deadline = min(batch.last_arrival + self.window_s, batch.opened + self.max_wait_s)
+            batch.timer = loop.call_at(deadline, self._dispatch, key, batch)
         return await waiter
 
     def _dispatch(self, key: str, batch: _Batch) -> None:
         if batch.sent:
             return
         batch.sent = True
+        if batch.timer is not None:
+            batch.timer.cancel()
         if self._open.get(key) is batch:
             del self._open[key]
         self.requests_sent += 1
@@ -148,11 +174,12 @@ class CoalescingClient:
 
         ``requests_sent``: requests sent for coalesced bodies; ``callers``: the callers they
         answered; ``full``: of the requests, those sent with ``max_n`` callers, the others went
-        when the window closed; ``arrival_spread_s_sum``: over the requests, the time from a
-        batch's first caller to its last; ``arrival_spread_le_s``: requests per spread bucket,
-        keyed by the bucket's upper bound in seconds (``"inf"`` the last); ``late_le_s``: batches
-        opened for a body whose earlier batch went out short, by their first caller's delay after
-        that batch's first caller (same buckets; within ``late_horizon_s``).
+        when the window closed (or ``max_wait_s`` ran out); ``arrival_spread_s_sum``: over the
+        requests, the time from a batch's first caller to its last; ``arrival_spread_le_s``:
+        requests per spread bucket, keyed by the bucket's upper bound in seconds (``"inf"`` the
+        last); ``late_le_s``: batches opened for a body whose earlier batch went out short, by
+        their first caller's delay after that batch's first caller (same buckets; within
+        ``late_horizon_s``).
         """
         bounds = [*(f"{bound:g}" for bound in SPREAD_BOUNDS_S), "inf"]
         return {

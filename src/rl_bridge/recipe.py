@@ -514,6 +514,14 @@ class RolloutSection(_Section):
     With several vLLM servers, each group goes to the one its prompt hashes to (Gym's model server
     otherwise spreads a group's sessions over them); with ``gym_workers`` above 1, to one model-server
     replica likewise."""
+    coalesce_max_wait_ms: NonNegativeFloat = 0.0
+    """With ``coalesce_window_ms``: the window restarts at each of a group's arrivals, and a group
+    goes once none has come for ``coalesce_window_ms``, at the latest this long after its first
+    sample (at least ``coalesce_window_ms``). Under load a group's samples reach the model server
+    in a trickle, each queued behind other groups' HTTP calls on its way through the Gym servers,
+    and a fixed window sends the group in parts, each loading and processing the clip again; a
+    complete group goes at once either way. The model server's ``GET /coalescing`` counts the
+    requests and the stragglers. 0: the window is fixed, from the group's first sample."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;
@@ -523,6 +531,15 @@ class RolloutSection(_Section):
     whose supervisor restarts vLLM; the Ray backend does not restart vLLM yet, so there a crash
     ends the run and this field has no effect."""
     timeout_s: PositiveFloat = 300.0
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSection:
+        if self.coalesce_max_wait_ms and not self.coalesce_max_wait_ms >= self.coalesce_window_ms > 0:
+            raise ValueError(
+                f"rollout.coalesce_max_wait_ms={self.coalesce_max_wait_ms:g} needs "
+                f"rollout.coalesce_window_ms above 0 and at most it (it is {self.coalesce_window_ms:g})"
+            )
+        return self
 
 
 class TrainSection(_Section):

@@ -18,8 +18,14 @@ import pytest
 import requests
 
 from gym_video_env import MediaSettings, get_plugin_manager
-from rl_bridge.paths import gym_python
-from rl_bridge.services.gym_server import GymServers, GymServerSpec, resolve_gym_config
+from rl_bridge.paths import gym_python, project_root
+from rl_bridge.services.gym_server import (
+    GymServers,
+    GymServerSpec,
+    resolve_gym_config,
+    start_gym_servers,
+    video_model_server_spec,
+)
 from rl_bridge.services.process import ServiceError
 from tests.fixtures.gym import STOCK_MODEL_SERVER, STOCK_RESOURCES_SERVER
 
@@ -185,6 +191,19 @@ def test_resolution_reports_gym_config_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(ServiceError, match="references resources_servers/'missing_resources'"):
         resolve_gym_config([agent], run_dir=tmp_path)
+
+
+def test_a_video_model_server_with_an_unknown_media_handler_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The media handlers are loaded when the server starts, not at its first request."""
+    monkeypatch.setenv("GYM_VIDEO_ENV_LOAD_PLUGINS", "no_such_handler")
+    spec = video_model_server_spec(
+        "video_model", openai_url="http://127.0.0.1:9/v1", model="policy", media_root=tmp_path
+    )
+    with pytest.raises(ServiceError, match="GYM_VIDEO_ENV_LOAD_PLUGINS names 'no_such_handler'"):
+        with start_gym_servers([spec], run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"]):
+            pass
 
 
 def test_resolution_fills_in_gym_defaults_and_binds_loopback(tmp_path: Path) -> None:

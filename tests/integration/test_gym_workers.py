@@ -192,13 +192,20 @@ def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(
     A prompt names its clip's path under the test's temporary directory, so which server a group
     hashes to changes from run to run: with 16 groups all land on one server once in 2**15 runs."""
     group = 2
-    overrides = ["rollout.coalesce_window_ms=50", f"rollout.group_size={group}"]
+    overrides = [
+        "rollout.coalesce_window_ms=50",
+        "rollout.coalesce_max_wait_ms=500",
+        f"rollout.group_size={group}",
+    ]
     recipe, _, rows, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=16, seed=2)
     closed = f"http://127.0.0.1:{free_port()}/v1"
     specs, agents = data.gym_specs(
         recipe, openai_url=[vllm_server.openai_url, closed], model_name=vllm_server.model_name
     )
-    assert all(spec.fields["route_by_prompt"] for spec in specs if spec.name.startswith(MODEL_SERVER))
+    models = [spec for spec in specs if spec.name.startswith(MODEL_SERVER)]
+    assert [(spec.fields["route_by_prompt"], spec.fields["coalesce_max_wait_ms"]) for spec in models] == [
+        (True, 500.0)
+    ]
 
     with start_gym_servers(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600

@@ -169,3 +169,41 @@ def test_merged_stats_add_counts_and_buckets_and_keep_a_flag_true_if_any_is() ->
     two = {"enabled": True, "requests_sent": 3, "late_le_s": {"0.1": 2, "inf": 1}}
     expected = {"enabled": True, "requests_sent": 5, "late_le_s": {"0.1": 3, "inf": 1}}
     assert merged_stats([one, two]) == expected
+
+
+def _trickle(client: CoalescingClient, gaps_s: list[float]) -> None:
+    """Identical callers, the next ``gap`` seconds after the one before."""
+
+    async def scenario() -> None:
+        calls = [asyncio.create_task(client.create_chat_completion(**_body()))]
+        for gap in gaps_s:
+            await asyncio.sleep(gap)
+            calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+        await asyncio.gather(*calls)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+@pytest.mark.parametrize(("max_wait_s", "ns"), [(None, [2, 2]), (2.0, [4]), (0.6, [3, 1])])
+def test_with_max_wait_the_window_restarts_at_each_caller_until_max_wait(
+    max_wait_s: float | None, ns: list[int]
+) -> None:
+    """Callers 0.25 s apart against a 0.35 s window: a fixed window sends them in pairs; restarted at
+    each caller it holds all four; a 0.6 s cap sends the three that came by then."""
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.35, max_n=8, max_wait_s=max_wait_s)
+    _trickle(client, [0.25, 0.25, 0.25])
+    assert [body.get("n", 1) for body in inner.bodies] == ns
+    assert client.stats()["full"] == 0
+
+
+def test_with_max_wait_a_full_batch_still_goes_at_once() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=10.0, max_n=3, max_wait_s=20.0)  # would outlast the test
+    _trickle(client, [0.01, 0.01])
+    assert [body["n"] for body in inner.bodies] == [3]
+
+
+def test_max_wait_below_the_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_wait_s=0.01 must be >= window_s=0.05"):
+        CoalescingClient(RecordingClient(), window_s=0.05, max_wait_s=0.01)

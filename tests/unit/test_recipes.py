@@ -129,6 +129,11 @@ def test_nemotron_recipe_asks_for_transformer_engine() -> None:
         (["task.width=2048", "task.height=2048", "task.num_frames=64"], "over model.max_model_len"),
         (["task.environment=segments", "task.name=count"], "task.name must be 'colour'"),
         (["task.bad_row_fraction=1.0"], "bad_row_fraction"),
+        (["rollout.coalesce_max_wait_ms=500"], "needs rollout.coalesce_window_ms above 0"),
+        (
+            ["rollout.coalesce_window_ms=100", "rollout.coalesce_max_wait_ms=50"],
+            "needs rollout.coalesce_window_ms above 0 and at most it",
+        ),
         (["task.later_clips=blank"], "apply to task.segments_question='last' only"),
         (["task.segments_question=last"], "task.environment='segments' only"),
         (

@@ -60,6 +60,7 @@ from responses_api_models.vllm_model.app import (
 from gym_video_env import MediaSettings
 from gym_video_env.affinity import pick, prompt_key
 from gym_video_env.coalesce import CoalescingClient, merged_stats
+from gym_video_env.plugins import get_plugin_manager
 from gym_video_env.request_media import (
     MediaRequestError,
     ToolOutputMediaPolicy,
@@ -104,6 +105,10 @@ class VideoVLLMModelConfig(VLLMModelConfig):
     GRPO group's first turns). 0: every request goes alone."""
     coalesce_max_n: PositiveInt = 64
     """Most choices in one coalesced request."""
+    coalesce_max_wait_ms: NonNegativeFloat = 0.0
+    """If set (at least ``coalesce_window_ms``), the window restarts at each identical request: a
+    batch goes ``coalesce_window_ms`` after its last caller, at the latest this long after its
+    first. 0: the window is fixed, from the first caller."""
     route_by_prompt: bool = False
     """With several vLLM servers (``base_url`` a list), send each conversation to the one its
     prompt (the messages before the first assistant turn) hashes to, so a GRPO group's samples meet
@@ -149,6 +154,9 @@ class VideoVLLMModel(VLLMModel):
         )
         if config.video_sampling_contract is not None:
             self._contract = VideoSamplingContract.model_validate(config.video_sampling_contract)
+        # The media handlers' entry points are found, loaded and checked now: a misconfigured
+        # plugin stops the server at start-up, and the first rollout does not pay for the search.
+        get_plugin_manager()
         super().model_post_init(context)
         if config.vllm_connection_retries is not None:
             for client in self._clients:
@@ -156,7 +164,10 @@ class VideoVLLMModel(VLLMModel):
         if config.coalesce_window_ms > 0:
             self._clients = [
                 CoalescingClient(
-                    client, window_s=config.coalesce_window_ms / 1000, max_n=config.coalesce_max_n
+                    client,
+                    window_s=config.coalesce_window_ms / 1000,
+                    max_n=config.coalesce_max_n,
+                    max_wait_s=config.coalesce_max_wait_ms / 1000 if config.coalesce_max_wait_ms else None,
                 )
                 for client in self._clients
             ]

@@ -12,6 +12,8 @@
 #   tiny_fp32  the same in fp32, 2 steps: the mismatch at full precision
 #   r3b        recipes/qwen2_5_vl_3b_1gpu.yaml: 5 steps of the 3B-shaped model, stage by stage (141 GB)
 #   r3b_h100   recipes/qwen2_5_vl_3b_1gpu_h100.yaml: the same on an 80 GB card, optimizer on the host
+#   r3b_64, r3b_h100_64  the same recipes at 64 prompts x 8 samples a step (512 in flight), 3 steps:
+#              the plan is the same (micro-batches); what the larger step costs in time and memory
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
 #              it (a group's identical first turns sent as one request with n,
@@ -94,7 +96,14 @@ r3b() {  # r3b RECIPE_NAME: a one-GPU 3B recipe, its run dir named as the recipe
   keep_run "runs/$1" "$1"
   return $rc
 }
-export -f tiny r3b keep_run
+r3b64() {  # r3b64 RECIPE_NAME: the recipe at 64 x 8 a step, 3 steps
+  video-grpo train --overwrite -r "recipes/$1.yaml" run_dir="runs/$1_64" rollout.prompts_per_step=64 \
+    rollout.max_in_flight=512 train.steps=3 validation.every=3
+  local rc=$?
+  keep_run "runs/$1_64" "$1_64"
+  return $rc
+}
+export -f tiny r3b r3b64 keep_run
 export out
 
 { nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; } \
@@ -106,6 +115,8 @@ for name in "${jobs[@]}"; do
     tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
     r3b) job r3b 900 r3b qwen2_5_vl_3b_1gpu ;;
     r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
+    r3b_64) job r3b_64 900 r3b64 qwen2_5_vl_3b_1gpu ;;
+    r3b_h100_64) job r3b_h100_64 900 r3b64 qwen2_5_vl_3b_1gpu_h100 ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     rollout_gym) job rollout_gym 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \

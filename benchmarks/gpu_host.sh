@@ -97,10 +97,10 @@ r3b() {  # r3b RECIPE_NAME: a one-GPU 3B recipe, its run dir named as the recipe
   return $rc
 }
 r3b64() {  # r3b64 RECIPE_NAME: the recipe at 64 x 8 a step, 3 steps
-  video-grpo train --overwrite -r "recipes/$1.yaml" run_dir="runs/$1_64" rollout.prompts_per_step=64 \
+  video-grpo train --overwrite -r "recipes/$1.yaml" run_dir="runs/${1}_64" rollout.prompts_per_step=64 \
     rollout.max_in_flight=512 train.steps=3 validation.every=3
   local rc=$?
-  keep_run "runs/$1_64" "$1_64"
+  keep_run "runs/${1}_64" "${1}_64"
   return $rc
 }
 export -f tiny r3b r3b64 keep_run
@@ -115,8 +115,8 @@ for name in "${jobs[@]}"; do
     tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
     r3b) job r3b 900 r3b qwen2_5_vl_3b_1gpu ;;
     r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
-    r3b_64) job r3b_64 900 r3b64 qwen2_5_vl_3b_1gpu ;;
-    r3b_h100_64) job r3b_h100_64 900 r3b64 qwen2_5_vl_3b_1gpu_h100 ;;
+    r3b_64) job r3b_64 1500 r3b64 qwen2_5_vl_3b_1gpu ;;
+    r3b_h100_64) job r3b_h100_64 1500 r3b64 qwen2_5_vl_3b_1gpu_h100 ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     rollout_gym) job rollout_gym 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \

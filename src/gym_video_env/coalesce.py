@@ -63,7 +63,9 @@ class CoalescingClient:
         max_wait_s: if set (>= ``window_s``), the window restarts at each caller: a batch goes
             ``window_s`` after its last caller, at the latest ``max_wait_s`` after its first.
         late_horizon_s: how long after a short batch's first caller a new batch of the same body
-            counts as its stragglers (in ``stats()["late_le_s"]``), not as a new request.
+            counts as its stragglers (in ``stats()["late_le_s"]``), not as a new request; at
+            least ``max_wait_s`` plus ``window_s``, so a batch sent at its cap still has its
+            stragglers counted.
     """
 
     def __init__(
@@ -93,7 +95,7 @@ class CoalescingClient:
         self._full_batches = 0
         self._spread_sum_s = 0.0
         self._spread_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
-        self.late_horizon_s = late_horizon_s
+        self.late_horizon_s = max(late_horizon_s, (max_wait_s or 0.0) + window_s)
         self._short: dict[str, float] = {}  # body -> first caller of its batch that went out short
         self._late_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
 

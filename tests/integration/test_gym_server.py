@@ -206,6 +206,20 @@ def test_a_video_model_server_with_an_unknown_media_handler_fails_at_start(
             pass
 
 
+def test_a_video_model_server_refuses_a_coalescing_cap_below_its_window(tmp_path: Path) -> None:
+    spec = video_model_server_spec(
+        "video_model",
+        openai_url="http://127.0.0.1:9/v1",
+        model="policy",
+        media_root=tmp_path,
+        coalesce_window_ms=100,
+        coalesce_max_wait_ms=50,
+    )
+    with pytest.raises(ServiceError, match="coalesce_max_wait_ms=50 needs coalesce_window_ms above 0"):
+        with start_gym_servers([spec], run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"]):
+            pass
+
+
 def test_resolution_fills_in_gym_defaults_and_binds_loopback(tmp_path: Path) -> None:
     spec = GymServerSpec("weather", "resources_servers", "example_single_tool_call", {"domain": "agent"})
     config = resolve_gym_config([spec], run_dir=tmp_path)

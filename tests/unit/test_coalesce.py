@@ -171,38 +171,76 @@ def test_merged_stats_add_counts_and_buckets_and_keep_a_flag_true_if_any_is() ->
     assert merged_stats([one, two]) == expected
 
 
-def _trickle(client: CoalescingClient, gaps_s: list[float]) -> None:
-    """Identical callers, the next ``gap`` seconds after the one before."""
+def _deadlines(max_wait_s: float | None) -> tuple[list[tuple[float, float]], Any, CoalescingClient]:
+    """Three identical callers ~0.02 s apart under a 10 s window, then a fourth that fills the
+    batch (``max_n=4``): after each of the three, the batch's arrival and timer deadline, both in
+    seconds after its first caller; the batch; the client."""
+    client = CoalescingClient(RecordingClient(), window_s=10.0, max_n=4, max_wait_s=max_wait_s)
+    seen: list[tuple[float, float]] = []
+
+    async def scenario() -> Any:
+        calls = []
+        for _ in range(3):
+            calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+            await asyncio.sleep(0.02)
+            (batch,) = client._open.values()
+            assert batch.timer is not None
+            seen.append((batch.last_arrival - batch.opened, batch.timer.when() - batch.opened))
+        calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+        await asyncio.gather(*calls)
+        return batch
+
+    batch = asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    return seen, batch, client
+
+
+@pytest.mark.parametrize("max_wait_s", [None, 20.0, 10.03])
+def test_with_max_wait_each_caller_moves_the_deadline_up_to_max_wait(max_wait_s: float | None) -> None:
+    """Without ``max_wait_s`` the deadline stays ``window_s`` after the first caller; with it, it
+    is ``window_s`` after the latest caller, never past ``max_wait_s`` after the first. A batch that
+    fills goes at once and its timer is cancelled. (Deadlines are read, not waited for: nothing
+    here depends on how late a loaded machine's timers fire.)"""
+    seen, batch, client = _deadlines(max_wait_s)
+    for arrival, deadline in seen:
+        expected = 10.0 if max_wait_s is None else min(arrival + 10.0, max_wait_s)
+        assert deadline == pytest.approx(expected, abs=1e-3)
+    if max_wait_s == 10.03:  # the third caller came at least 0.04 s after the first: capped
+        assert seen[2][0] >= 0.039 and seen[2][1] == pytest.approx(10.03, abs=1e-3)
+    assert batch.sent and batch.timer.cancelled() and client._open == {}
+    assert [body["n"] for body in client._client.bodies] == [4]
+
+
+def test_a_trickle_goes_as_one_batch_once_no_caller_came_for_the_window() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.5, max_n=8, max_wait_s=5.0)
 
     async def scenario() -> None:
-        calls = [asyncio.create_task(client.create_chat_completion(**_body()))]
-        for gap in gaps_s:
-            await asyncio.sleep(gap)
+        calls = []
+        for _ in range(4):  # 0.05 s apart: each well inside the window the one before restarted
             calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+            await asyncio.sleep(0.05)
         await asyncio.gather(*calls)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
-
-
-@pytest.mark.parametrize(("max_wait_s", "ns"), [(None, [2, 2]), (3.0, [4]), (1.0, [3, 1])])
-def test_with_max_wait_the_window_restarts_at_each_caller_until_max_wait(
-    max_wait_s: float | None, ns: list[int]
-) -> None:
-    """Callers 0.4 s apart against a 0.6 s window: a fixed window sends them in pairs; restarted at
-    each caller it holds all four; a 1 s cap sends the three that came by then (every deadline
-    0.2 s from an arrival, so a loaded machine's late timers do not change the batches)."""
-    inner = RecordingClient()
-    client = CoalescingClient(inner, window_s=0.6, max_n=8, max_wait_s=max_wait_s)
-    _trickle(client, [0.4, 0.4, 0.4])
-    assert [body.get("n", 1) for body in inner.bodies] == ns
+    assert [body["n"] for body in inner.bodies] == [4]
     assert client.stats()["full"] == 0
 
 
-def test_with_max_wait_a_full_batch_still_goes_at_once() -> None:
+def test_with_max_wait_batches_that_fill_leave_no_state_for_the_next() -> None:
     inner = RecordingClient()
-    client = CoalescingClient(inner, window_s=10.0, max_n=3, max_wait_s=20.0)  # would outlast the test
-    _trickle(client, [0.01, 0.01])
-    assert [body["n"] for body in inner.bodies] == [3]
+    client = CoalescingClient(inner, window_s=0.3, max_n=2, max_wait_s=1.0)
+
+    async def scenario() -> None:
+        calls = [asyncio.create_task(client.create_chat_completion(**_body())) for _ in range(3)]
+        await asyncio.sleep(0.05)  # the third caller's batch fills now
+        calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+        await asyncio.sleep(0.05)  # and a fifth goes alone when its window closes
+        calls.append(asyncio.create_task(client.create_chat_completion(**_body())))
+        await asyncio.gather(*calls)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    assert [body.get("n", 1) for body in inner.bodies] == [2, 2, 1]
+    assert client._open == {} and client.stats()["callers"] == 5
 
 
 def test_max_wait_below_the_window_is_refused() -> None:

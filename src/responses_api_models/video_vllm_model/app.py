@@ -50,7 +50,14 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseCreateParamsNonStreaming,
 )
 from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr, field_validator
+from pydantic import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 from responses_api_models.vllm_model.app import (
     _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE,  # the stock server's marker for "answer with vLLM's status"
     VLLMModel,
@@ -128,6 +135,15 @@ class VideoVLLMModelConfig(VLLMModelConfig):
         if value is not None and not Path(value).is_dir():
             raise ValueError(f"media_root {value!r} is not a directory")
         return value
+
+    @model_validator(mode="after")
+    def _check_coalescing(self) -> VideoVLLMModelConfig:
+        if self.coalesce_max_wait_ms and not self.coalesce_max_wait_ms >= self.coalesce_window_ms > 0:
+            raise ValueError(
+                f"coalesce_max_wait_ms={self.coalesce_max_wait_ms:g} needs coalesce_window_ms above 0 "
+                f"and at most it (it is {self.coalesce_window_ms:g})"
+            )
+        return self
 
 
 class VideoVLLMModel(VLLMModel):

@@ -14,6 +14,8 @@
 #   r3b_h100   recipes/qwen2_5_vl_3b_1gpu_h100.yaml: the same on an 80 GB card, optimizer on the host
 #   r3b_64, r3b_h100_64  the same recipes at 64 prompts x 8 samples a step (512 in flight), 3 steps:
 #              the plan is the same (micro-batches); what the larger step costs in time and memory
+#   r3b_as4, r3b_h100_as4  the same recipes with four vLLM API servers and a 200 ms coalescing
+#              window: the loop's own rollout stage with the front end spread over four processes
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
 #              it (a group's identical first turns sent as one request with n,
@@ -96,14 +98,17 @@ r3b() {  # r3b RECIPE_NAME: a one-GPU 3B recipe, its run dir named as the recipe
   keep_run "runs/$1" "$1"
   return $rc
 }
-r3b64() {  # r3b64 RECIPE_NAME: the recipe at 64 x 8 a step, 3 steps
-  video-grpo train --overwrite -r "recipes/$1.yaml" run_dir="runs/${1}_64" rollout.prompts_per_step=64 \
-    rollout.max_in_flight=512 train.steps=3 validation.every=3
+r3bx() {  # r3bx RECIPE_NAME SUFFIX OVERRIDES...: the recipe with overrides, in runs/RECIPE_NAME_SUFFIX
+  local name=${1}_$2
+  video-grpo train --overwrite -r "recipes/$1.yaml" run_dir="runs/$name" "${@:3}"
   local rc=$?
-  keep_run "runs/${1}_64" "${1}_64"
+  keep_run "runs/$name" "$name"
   return $rc
 }
-export -f tiny r3b r3b64 keep_run
+r3b_recipe() {  # r3b_recipe JOB: the one-GPU 3B recipe a job runs (the 80 GB card's for *h100*)
+  case $1 in *h100*) echo qwen2_5_vl_3b_1gpu_h100 ;; *) echo qwen2_5_vl_3b_1gpu ;; esac
+}
+export -f tiny r3b r3bx keep_run
 export out
 
 { nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; } \
@@ -115,8 +120,10 @@ for name in "${jobs[@]}"; do
     tiny_fp32) job tiny_fp32 300 tiny float32 train.steps=2 validation.every=2 ;;
     r3b) job r3b 900 r3b qwen2_5_vl_3b_1gpu ;;
     r3b_h100) job r3b_h100 900 r3b qwen2_5_vl_3b_1gpu_h100 ;;
-    r3b_64) job r3b_64 1500 r3b64 qwen2_5_vl_3b_1gpu ;;
-    r3b_h100_64) job r3b_h100_64 1500 r3b64 qwen2_5_vl_3b_1gpu_h100 ;;
+    r3b_64|r3b_h100_64) job "$name" 1500 r3bx "$(r3b_recipe "$name")" 64 rollout.prompts_per_step=64 \
+      rollout.max_in_flight=512 train.steps=3 validation.every=3 ;;
+    r3b_as4|r3b_h100_as4) job "$name" 900 r3bx "$(r3b_recipe "$name")" as4 model.vllm_api_servers=4 \
+      rollout.coalesce_window_ms=200 ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     rollout_gym) job rollout_gym 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \

@@ -286,10 +286,14 @@ def coalescing(model_urls: list[str]) -> dict[str, Any]:
 
 
 def coalescing_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What one batch added to the counters of :func:`coalescing`."""
+    """What one batch added to the counters of :func:`coalescing` (``sends``: the batches sent
+    since ``before``)."""
     delta: dict[str, Any] = {}
     for key, value in after.items():
-        if isinstance(value, dict):
+        if isinstance(value, list):
+            seen = {tuple(item) for item in before.get(key, [])}
+            delta[key] = [item for item in value if tuple(item) not in seen]
+        elif isinstance(value, dict):
             delta[key] = {bound: count - before.get(key, {}).get(bound, 0) for bound, count in value.items()}
         else:
             delta[key] = value - before.get(key, 0)
@@ -318,6 +322,7 @@ def timed_rollouts(
         coalescing_before = coalescing(model_urls)
     before = scrape(base_url)
     cpu_before = cpu_snapshot()
+    started_unix = time.time()
     started = time.perf_counter()
     results, stats = collect_rollouts(agent_url, rows, settings)
     wall = time.perf_counter() - started
@@ -328,8 +333,25 @@ def timed_rollouts(
     first_error = (errors[0] or "")[:500] if errors else ""
     figures = batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
     if coalescing_before is not None:
-        figures["coalescing"] = coalescing_delta(coalescing_before, coalescing(model_urls or []))
+        figures["coalescing"] = counts = coalescing_delta(coalescing_before, coalescing(model_urls or []))
+        figures["timeline"] = send_timeline(counts.pop("sends", []), started_unix)
     return figures
+
+
+def send_timeline(sends: list[list[float]], started_unix: float) -> dict[str, Any]:
+    """When, in seconds after the batch started, the model servers sent their first and last
+    coalesced request to vLLM and had their last answer: how long the Gym path took to bring the
+    first group to vLLM, over how long the groups came, and what followed vLLM's last answer."""
+    if not sends:
+        return {}
+    sent = [item[0] - started_unix for item in sends]
+    answered = [item[1] - started_unix for item in sends]
+    return {
+        "requests": len(sends),
+        "first_sent_s": min(sent),
+        "last_sent_s": max(sent),
+        "last_answered_s": max(answered),
+    }
 
 
 def batch_figures(
@@ -518,6 +540,14 @@ def run_phase(
                 f"[{phase.name}]   coalescing: {counts['requests_sent']} requests for {counts['callers']} "
                 f"first turns, {counts['full']} full; a batch's callers' spread by bucket (s): "
                 f"{counts['arrival_spread_le_s']}; stragglers' delay by bucket (s): {counts['late_le_s']}",
+                flush=True,
+            )
+        if result.get("timeline"):
+            line = result["timeline"]
+            print(
+                f"[{phase.name}]   to vLLM: first request at +{line['first_sent_s']:.3f} s, last at "
+                f"+{line['last_sent_s']:.3f} s, last answer at +{line['last_answered_s']:.3f} s of "
+                f"{result['wall_s']:.3f} s",
                 flush=True,
             )
         if result["first_error"]:

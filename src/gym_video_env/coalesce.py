@@ -33,14 +33,19 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CoalescingClient", "SPREAD_BOUNDS_S", "merged_stats", "split_choices"]
+__all__ = ["CoalescingClient", "SENDS_KEPT", "SPREAD_BOUNDS_S", "merged_stats", "split_choices"]
 
 SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 """Upper bounds (seconds) of the arrival-spread and lateness buckets in :meth:`CoalescingClient.stats`."""
+
+SENDS_KEPT = 512
+"""Batches whose send and answer times :meth:`CoalescingClient.stats` keeps (the latest ones)."""
 
 
 @dataclass
@@ -51,6 +56,7 @@ class _Batch:
     last_arrival: float = 0.0
     sent: bool = False
     timer: asyncio.TimerHandle | None = None
+    sent_unix_s: float = 0.0
 
 
 class CoalescingClient:
@@ -98,6 +104,7 @@ class CoalescingClient:
         self.late_horizon_s = max(late_horizon_s, (max_wait_s or 0.0) + window_s)
         self._short: dict[str, float] = {}  # body -> first caller of its batch that went out short
         self._late_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
+        self._sends: deque[tuple[float, float, int]] = deque(maxlen=SENDS_KEPT)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_client":  # not set yet
@@ -156,6 +163,7 @@ class CoalescingClient:
         self._spread_sum_s += spread
         self._spread_counts[bisect.bisect_left(SPREAD_BOUNDS_S, spread)] += 1
         self._track_short(key, batch)
+        batch.sent_unix_s = time.time()
         task = asyncio.get_running_loop().create_task(self._send_batch(batch))
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
@@ -181,7 +189,10 @@ class CoalescingClient:
         requests per spread bucket, keyed by the bucket's upper bound in seconds (``"inf"`` the
         last); ``late_le_s``: batches opened for a body whose earlier batch went out short, by
         their first caller's delay after that batch's first caller (same buckets; within
-        ``late_horizon_s``).
+        ``late_horizon_s``); ``sends``: for the last :data:`SENDS_KEPT` answered batches, in the
+        order they were answered, ``[sent, answered, callers]`` with both times in seconds since
+        the epoch (``time.time()``, comparable with another process's on the host): when each
+        request went to vLLM and when its answer (or failure) came back.
         """
         bounds = [*(f"{bound:g}" for bound in SPREAD_BOUNDS_S), "inf"]
         return {
@@ -191,12 +202,16 @@ class CoalescingClient:
             "arrival_spread_s_sum": self._spread_sum_s,
             "arrival_spread_le_s": dict(zip(bounds, self._spread_counts, strict=True)),
             "late_le_s": dict(zip(bounds, self._late_counts, strict=True)),
+            "sends": [list(send) for send in self._sends],
         }
 
     async def _send_batch(self, batch: _Batch) -> None:
         n = len(batch.waiters)
         try:
-            response = await self._send(**({**batch.body, "n": n} if n > 1 else batch.body))
+            try:
+                response = await self._send(**({**batch.body, "n": n} if n > 1 else batch.body))
+            finally:
+                self._sends.append((batch.sent_unix_s, time.time(), n))
             parts = split_choices(response, n) if n > 1 else [response]
         except BaseException as error:  # noqa: BLE001 (each caller gets the batch's failure)
             for waiter in batch.waiters:
@@ -212,11 +227,14 @@ class CoalescingClient:
 
 def merged_stats(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Several :meth:`CoalescingClient.stats` (several vLLM servers, several model-server
-    replicas) as one: counts and bucket counts added, flags true if any is."""
+    replicas) as one: counts and bucket counts added, flags true if any is, lists (``sends``)
+    joined and sorted (by send time)."""
     total: dict[str, Any] = {}
     for one in stats:
         for key, value in one.items():
-            if isinstance(value, Mapping):
+            if isinstance(value, list):
+                total[key] = sorted([*total.get(key, []), *value])
+            elif isinstance(value, Mapping):
                 bucket = total.setdefault(key, {})
                 for bound, count in value.items():
                     bucket[bound] = bucket.get(bound, 0) + count

@@ -4,6 +4,7 @@ with ``n``, each caller gets one choice; others pass through; a failure reaches 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -246,3 +247,16 @@ def test_with_max_wait_batches_that_fill_leave_no_state_for_the_next() -> None:
 def test_max_wait_below_the_window_is_refused() -> None:
     with pytest.raises(ValueError, match="max_wait_s=0.01 must be >= window_s=0.05"):
         CoalescingClient(RecordingClient(), window_s=0.05, max_wait_s=0.01)
+
+
+def test_stats_keep_each_batchs_send_and_answer_time_and_merging_sorts_them() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.05, max_n=2)
+    started = time.time()
+    asyncio.run(asyncio.wait_for(_gather(client, [_body(), _body(), _body("q")]), timeout=5))
+    sends = client.stats()["sends"]
+    assert sorted(n for _, _, n in sends) == [1, 2]
+    for sent, answered, _ in sends:  # RecordingClient answers after 0.01 s
+        assert started <= sent and answered - sent >= 0.009
+    other = {"sends": [[started - 1.0, started - 0.5, 3]]}
+    assert merged_stats([client.stats(), other])["sends"] == [other["sends"][0], *sorted(sends)]

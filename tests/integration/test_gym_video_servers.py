@@ -160,6 +160,16 @@ def test_multi_turn_rollout_gets_a_new_clip_in_each_later_turn(
     assert result["watched_segments"] == list(range(1, NUM_SEGMENTS + 1))
 
 
+def test_a_row_the_resources_server_refuses_fails_with_its_refusal(gym_video_stack: GymVideoStack) -> None:
+    """A row the resources server refuses at ``/seed_session`` (here: no ``segments``) fails with
+    that refusal, a 4xx the rollout client counts as the row's fault, not as the server's."""
+    row = {key: value for key, value in gym_video_stack.segments_rows[0].items() if key != "segments"}
+    body = {**row, "responses_create_params": _short(row["responses_create_params"])}
+    response = requests.post(f"{gym_video_stack.url(SEGMENTS_AGENT)}/run", json=body, timeout=600)
+    assert response.status_code == 422, response.text
+    assert "segments" in response.text
+
+
 def test_clip_in_a_tool_output_reaches_vllm_in_the_next_turn(
     gym_video_stack: GymVideoStack, video_token_id: int, clip_placeholders: int, tiny_qwen25vl: Path
 ) -> None:

@@ -39,7 +39,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CoalescingClient", "SENDS_KEPT", "SPREAD_BOUNDS_S", "merged_stats", "split_choices"]
+__all__ = [
+    "CoalescingClient",
+    "SENDS_KEPT",
+    "SPREAD_BOUNDS_S",
+    "check_max_wait",
+    "merged_stats",
+    "split_choices",
+]
 
 SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 """Upper bounds (seconds) of the arrival-spread and lateness buckets in :meth:`CoalescingClient.stats`."""
@@ -223,6 +230,20 @@ class CoalescingClient:
         for waiter, part in zip(batch.waiters, parts, strict=True):
             if not waiter.done():
                 waiter.set_result(part)
+
+
+def check_max_wait(window_ms: float, max_wait_ms: float, *, prefix: str = "") -> None:
+    """Refuse a cap (``coalesce_max_wait_ms``, 0: none) without a window or below it; ``prefix``
+    names the settings' section in the message (``"rollout."``).
+
+    Raises:
+        ValueError: naming both settings.
+    """
+    if max_wait_ms and not max_wait_ms >= window_ms > 0:
+        raise ValueError(
+            f"{prefix}coalesce_max_wait_ms={max_wait_ms:g} needs {prefix}coalesce_window_ms above 0 "
+            f"and at most it (it is {window_ms:g})"
+        )
 
 
 def merged_stats(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from gym_video_env.coalesce import check_max_wait
 from gym_video_env.grading import AnswerFormat
 from rl_bridge.grpo import GRPOLossConfig
 from vllm_video_plugin.contract import VideoSamplingContract
@@ -369,8 +370,9 @@ class TaskSection(_Section):
     shuffled, so each letter always means the same answer: the model then learns clip -> letter
     directly."""
     whole_clip_only: bool = True
-    """``mcqa`` and ``segments`` colour clips: keep only clips that show the colour in every frame (drop those that
-    show it in the last one or two frames only, which frame sampling at the processor's fps can skip)."""
+    """``mcqa`` and ``segments`` colour clips: keep only clips that show the colour in every frame
+    (drop those that show it in the last one or two frames only, which frame sampling at the
+    processor's fps can skip)."""
     answer_format: AnswerFormat = "letter"
     """``"letter"``: the answer is one option letter (pair with ``rollout.restrict_to_options``);
     ``"boxed"``: ``\\boxed{X}`` in free text."""
@@ -534,11 +536,7 @@ class RolloutSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSection:
-        if self.coalesce_max_wait_ms and not self.coalesce_max_wait_ms >= self.coalesce_window_ms > 0:
-            raise ValueError(
-                f"rollout.coalesce_max_wait_ms={self.coalesce_max_wait_ms:g} needs "
-                f"rollout.coalesce_window_ms above 0 and at most it (it is {self.coalesce_window_ms:g})"
-            )
+        check_max_wait(self.coalesce_window_ms, self.coalesce_max_wait_ms, prefix="rollout.")
         return self
 
 

@@ -66,7 +66,7 @@ from responses_api_models.vllm_model.app import (
 
 from gym_video_env import MediaSettings
 from gym_video_env.affinity import pick, prompt_key
-from gym_video_env.coalesce import CoalescingClient, merged_stats
+from gym_video_env.coalesce import CoalescingClient, check_max_wait, merged_stats
 from gym_video_env.plugins import get_plugin_manager
 from gym_video_env.request_media import (
     MediaRequestError,
@@ -138,11 +138,7 @@ class VideoVLLMModelConfig(VLLMModelConfig):
 
     @model_validator(mode="after")
     def _check_coalescing(self) -> VideoVLLMModelConfig:
-        if self.coalesce_max_wait_ms and not self.coalesce_max_wait_ms >= self.coalesce_window_ms > 0:
-            raise ValueError(
-                f"coalesce_max_wait_ms={self.coalesce_max_wait_ms:g} needs coalesce_window_ms above 0 "
-                f"and at most it (it is {self.coalesce_window_ms:g})"
-            )
+        check_max_wait(self.coalesce_window_ms, self.coalesce_max_wait_ms)
         return self
 
 

@@ -338,6 +338,30 @@ def timed_rollouts(
     return figures
 
 
+def batch_report(label: str, result: dict[str, Any]) -> list[str]:
+    """The lines printed for one timed batch: its outcome and rate, then (ours with coalescing) the
+    coalescing counters and the send timeline, then its first error."""
+    lines = [
+        f"{label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
+        f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s"
+    ]
+    if counts := result.get("coalescing"):
+        lines.append(
+            f"  coalescing: {counts['requests_sent']} requests for {counts['callers']} first turns, "
+            f"{counts['full']} full; a batch's callers' spread by bucket (s): "
+            f"{counts['arrival_spread_le_s']}; stragglers' delay by bucket (s): {counts['late_le_s']}"
+        )
+    if timeline := result.get("timeline"):
+        lines.append(
+            f"  to vLLM: first request at +{timeline['first_sent_s']:.3f} s, last at "
+            f"+{timeline['last_sent_s']:.3f} s, last answer at +{timeline['last_answered_s']:.3f} s of "
+            f"{result['wall_s']:.3f} s"
+        )
+    if result["first_error"]:
+        lines.append(f"  first error: {result['first_error'][:300]}")
+    return lines
+
+
 def send_timeline(sends: list[list[float]], started_unix: float) -> dict[str, Any]:
     """When, in seconds after the batch started, the model servers sent their first and last
     coalesced request to vLLM and had their last answer: how long the Gym path took to bring the
@@ -529,29 +553,8 @@ def run_phase(
         out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
         result = time_batch(rows, grouped=True) if label == "grouped" else time_batch(rows)
         out[label] = result
-        print(
-            f"[{phase.name}] {label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
-            f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s",
-            flush=True,
-        )
-        if result.get("coalescing"):
-            counts = result["coalescing"]
-            print(
-                f"[{phase.name}]   coalescing: {counts['requests_sent']} requests for {counts['callers']} "
-                f"first turns, {counts['full']} full; a batch's callers' spread by bucket (s): "
-                f"{counts['arrival_spread_le_s']}; stragglers' delay by bucket (s): {counts['late_le_s']}",
-                flush=True,
-            )
-        if result.get("timeline"):
-            line = result["timeline"]
-            print(
-                f"[{phase.name}]   to vLLM: first request at +{line['first_sent_s']:.3f} s, last at "
-                f"+{line['last_sent_s']:.3f} s, last answer at +{line['last_answered_s']:.3f} s of "
-                f"{result['wall_s']:.3f} s",
-                flush=True,
-            )
-        if result["first_error"]:
-            print(f"[{phase.name}]   first error: {result['first_error'][:300]}", flush=True)
+        for line in batch_report(label, result):
+            print(f"[{phase.name}] {line}", flush=True)
         if result["ok"] < result["samples"]:
             failed = result["samples"] - result["ok"]
             out["error"] = f"{label}: {failed} of {result['samples']} samples failed"

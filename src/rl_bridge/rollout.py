@@ -56,6 +56,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
+from gym_video_env.affinity import pick
 from rl_bridge.services.supervisor import Dispatch, InputCrashedServer
 
 __all__ = [
@@ -329,7 +330,7 @@ def collect_rollouts(
         error = ""
         attempts = redispatches = 0
         key = prompt_key(rows[index])
-        url = run_urls[int(key, 16) % len(run_urls)]
+        url = run_urls[pick(key, len(run_urls))]
         loop = asyncio.get_running_loop()
         async with limit:
             while attempts < settings.max_attempts:

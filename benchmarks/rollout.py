@@ -307,9 +307,16 @@ def timed_rollouts(
     rows: list[dict[str, Any]],
     model_urls: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Roll ``rows`` out through the agent as ``RolloutStage.groups`` does; wall time, vLLM's
-    counters and, with coalescing, the model servers' (``model_urls``)."""
+    """Roll ``rows`` (consecutive groups) out through the agent as ``RolloutStage.groups`` does
+    (with ``rollout.declare_groups``, declared and in its order); wall time, vLLM's counters and,
+    with coalescing, the model servers' (``model_urls``)."""
+    from rl_bridge.loop.stages.rollout import declared_groups
     from rl_bridge.rollout import RolloutSettings, collect_rollouts
+
+    order = None
+    if recipe.rollout.declare_groups:
+        size = recipe.rollout.group_size
+        rows, order = declared_groups(rows[::size], size)
 
     settings = RolloutSettings(
         max_in_flight=recipe.rollout.max_in_flight,
@@ -324,7 +331,7 @@ def timed_rollouts(
     cpu_before = cpu_snapshot()
     started_unix = time.time()
     started = time.perf_counter()
-    results, stats = collect_rollouts(agent_url, rows, settings)
+    results, stats = collect_rollouts(agent_url, rows, settings, order=order)
     wall = time.perf_counter() - started
     cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(base_url))
@@ -345,11 +352,17 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
         f"{label}: {result['ok']}/{result['samples']} ok, {result['wall_s']:.2f} s, "
         f"{result['samples_per_s']:.2f} samples/s, {result['generated_tokens_per_s']:.1f} tok/s"
     ]
-    if counts := result.get("coalescing"):
+    counts = result.get("coalescing") or {}
+    if counts.get("requests_sent"):
         lines.append(
             f"  coalescing: {counts['requests_sent']} requests for {counts['callers']} first turns, "
             f"{counts['full']} full; a batch's callers' spread by bucket (s): "
             f"{counts['arrival_spread_le_s']}; stragglers' delay by bucket (s): {counts['late_le_s']}"
+        )
+    if counts.get("group_requests"):
+        lines.append(
+            f"  declared groups: {counts['group_requests']} requests for {counts['group_callers']} "
+            f"first turns, {counts.get('group_choices_unclaimed', 0)} choices unclaimed"
         )
     if timeline := result.get("timeline"):
         lines.append(
@@ -541,7 +554,7 @@ def run_phase(
             )
         )
         model_urls = None
-        if recipe.rollout.coalesce_window_ms > 0:
+        if recipe.rollout.coalesce_window_ms > 0 or recipe.rollout.declare_groups:
             model_urls = [gym.url(spec.name) for spec in specs if spec.name.startswith(MODEL_SERVER)]
         agent_urls = tuple(gym.url(agent) for agent in agents)
         time_batch = partial(timed_rollouts, recipe, server.base_url, agent_urls, model_urls=model_urls)

@@ -21,6 +21,18 @@ samples arrive further apart than the window reaches vLLM as several requests, e
 processing the clip again; the late counts say by how much a window would have had to be longer
 (the model server answers them at ``GET /coalescing``).
 
+**Declared groups.** A caller that knows a request is one of ``G`` samples of a group says so in
+its ``metadata`` (:func:`group_metadata`: the group's id and ``G``, under
+:data:`GROUP_METADATA_KEY`; Gym's model server passes a Responses request's metadata on to the
+chat completion). The group's first caller sends it to vLLM at once with ``n = G``, without a
+window; the group's later callers take the other choices, waiting for the answer if it has not come
+yet. Generation starts when the group's first sample arrives, however far behind the others come
+(a rollout client that posts every group's first sample before any second one starts every group
+within the time its first samples take). The key is stripped before the request goes to vLLM.
+Choices that no caller claims within ``claim_horizon_s`` (a sample that failed before reaching the
+model server) are dropped and counted; a caller beyond ``G`` (a retried sample) opens a new
+request. A failed request fails the callers that claimed from it; later ones open a new one.
+
 Requests that already ask for several choices, carry a ``seed`` (one seed gives one sample) or
 stream pass through, and so do a conversation's later turns (a request holding an assistant
 message): a sample's history is rarely another's, and holding every later turn for the window
@@ -40,10 +52,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "GROUP_METADATA_KEY",
     "CoalescingClient",
     "SENDS_KEPT",
     "SPREAD_BOUNDS_S",
     "check_max_wait",
+    "group_metadata",
     "merged_stats",
     "split_choices",
 ]
@@ -53,6 +67,31 @@ SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 SENDS_KEPT = 512
 """Batches whose send and answer times :meth:`CoalescingClient.stats` keeps (the latest ones)."""
+
+GROUP_METADATA_KEY = "rollout_group"
+"""Request ``metadata`` key declaring a request one sample of a group: ``"<group id>:<size>"``."""
+
+
+def group_metadata(group: str, size: int) -> dict[str, str]:
+    """The ``metadata`` entry that declares a request one of the ``size`` samples of ``group`` (an
+    id unique among the groups in flight, without ``:``)."""
+    if size < 1 or not group or ":" in group:
+        raise ValueError(f"group_metadata: group={group!r} must be non-empty without ':' and size={size} >= 1")
+    return {GROUP_METADATA_KEY: f"{group}:{size}"}
+
+
+def _declared_group(body: dict[str, Any]) -> tuple[dict[str, Any], str | None, int]:
+    """``body`` without the group declaration, the declaring ``"<id>:<size>"`` (``None``: none or
+    malformed, left out either way) and the size (1 without one)."""
+    metadata = body.get("metadata")
+    if not isinstance(metadata, dict) or GROUP_METADATA_KEY not in metadata:
+        return body, None, 1
+    rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
+    stripped = {**body, "metadata": rest} if rest else {k: v for k, v in body.items() if k != "metadata"}
+    group, _, size = str(metadata[GROUP_METADATA_KEY]).rpartition(":")
+    if not group or not size.isdigit() or int(size) < 1:
+        return stripped, None, 1
+    return stripped, metadata[GROUP_METADATA_KEY], int(size)
 
 
 @dataclass
@@ -66,19 +105,32 @@ class _Batch:
     sent_unix_s: float = 0.0
 
 
+@dataclass
+class _Group:
+    """A declared group's request: sent when its first caller came, its choices claimed in order."""
+
+    size: int
+    opened: float
+    answer: asyncio.Task[list[dict[str, Any]]]
+    claimed: int = 0
+
+
 class CoalescingClient:
     """Wraps a client's ``create_chat_completion``; every other attribute is the wrapped client's.
 
     Args:
         client: Gym's OpenAI client of one vLLM server (``NeMoGymAsyncOpenAI``).
-        window_s: how long the first of identical requests waits for others; > 0.
-        max_n: most choices in one request (a batch that fills up goes at once).
+        window_s: how long the first of identical requests waits for others; 0: no window (only
+            declared groups are coalesced, every other request goes alone).
+        max_n: most choices in one request (a batch that fills up goes at once; a declared group
+            larger than this is sent as several requests).
         max_wait_s: if set (>= ``window_s``), the window restarts at each caller: a batch goes
             ``window_s`` after its last caller, at the latest ``max_wait_s`` after its first.
         late_horizon_s: how long after a short batch's first caller a new batch of the same body
             counts as its stragglers (in ``stats()["late_le_s"]``), not as a new request; at
             least ``max_wait_s`` plus ``window_s``, so a batch sent at its cap still has its
             stragglers counted.
+        claim_horizon_s: how long a declared group's unclaimed choices are kept for its callers.
     """
 
     def __init__(
@@ -89,11 +141,18 @@ class CoalescingClient:
         max_n: int = 64,
         max_wait_s: float | None = None,
         late_horizon_s: float = 2.0,
+        claim_horizon_s: float = 60.0,
     ) -> None:
-        if window_s <= 0 or max_n < 1:
-            raise ValueError(f"CoalescingClient: window_s={window_s} must be > 0 and max_n={max_n} >= 1")
-        if max_wait_s is not None and max_wait_s < window_s:
-            raise ValueError(f"CoalescingClient: max_wait_s={max_wait_s} must be >= window_s={window_s}")
+        if window_s < 0 or max_n < 1 or not claim_horizon_s > 0:
+            raise ValueError(
+                f"CoalescingClient: window_s={window_s} must be >= 0, max_n={max_n} >= 1 and "
+                f"claim_horizon_s={claim_horizon_s} > 0"
+            )
+        if max_wait_s is not None and not max_wait_s >= window_s > 0:
+            raise ValueError(
+                f"CoalescingClient: max_wait_s={max_wait_s} needs a window_s above 0 and at most it "
+                f"(it is {window_s})"
+            )
         self._client = client
         self._send: Callable[..., Awaitable[dict[str, Any]]] = client.create_chat_completion
         self.window_s = window_s
@@ -112,6 +171,11 @@ class CoalescingClient:
         self._short: dict[str, float] = {}  # body -> first caller of its batch that went out short
         self._late_counts = [0] * (len(SPREAD_BOUNDS_S) + 1)
         self._sends: deque[tuple[float, float, int]] = deque(maxlen=SENDS_KEPT)
+        self.claim_horizon_s = claim_horizon_s
+        self._groups: dict[str, _Group] = {}  # declared group's body -> its open request
+        self._group_requests = 0
+        self._group_callers = 0
+        self._unclaimed = 0
 
     def __getattr__(self, name: str) -> Any:
         if name == "_client":  # not set yet
@@ -124,6 +188,7 @@ class CoalescingClient:
             "max_n",
             "max_wait_s",
             "late_horizon_s",
+            "claim_horizon_s",
             "requests_sent",
             "requests_coalesced",
         ):
@@ -132,7 +197,13 @@ class CoalescingClient:
             setattr(self._client, name, value)
 
     async def create_chat_completion(self, **body: Any) -> dict[str, Any]:
+        body, group, size = _declared_group(body)
         if body.get("n", 1) != 1 or body.get("seed") is not None or body.get("stream") or _later_turn(body):
+            return await self._send(**body)
+        if group is not None and size > 1:
+            key = f"{group}\n{json.dumps(body, sort_keys=True, default=str)}"
+            return await self._claim(key, body, min(size, self.max_n))
+        if self.window_s == 0:
             return await self._send(**body)
         key = json.dumps(body, sort_keys=True, default=str)
         loop = asyncio.get_running_loop()
@@ -154,6 +225,45 @@ class CoalescingClient:
             deadline = min(batch.last_arrival + self.window_s, batch.opened + self.max_wait_s)
             batch.timer = loop.call_at(deadline, self._dispatch, key, batch)
         return await waiter
+
+    async def _claim(self, key: str, body: dict[str, Any], size: int) -> dict[str, Any]:
+        """A declared group's next choice: from its open request, or from one sent now with
+        ``n = size`` (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        group = self._groups.get(key)
+        if group is None:
+            self._drop_stale_groups(loop.time())
+            group = self._groups[key] = _Group(
+                size, loop.time(), loop.create_task(self._send_group(body, size))
+            )
+            group.answer.add_done_callback(lambda answer: self._forget_failed(key, group, answer))
+            self._group_requests += 1
+        index = group.claimed
+        group.claimed += 1
+        self._group_callers += 1
+        if group.claimed >= group.size:
+            del self._groups[key]
+        # Shielded: a caller that goes away (its client disconnected) leaves the request to the others.
+        return (await asyncio.shield(group.answer))[index]
+
+    async def _send_group(self, body: dict[str, Any], size: int) -> list[dict[str, Any]]:
+        sent = time.time()
+        try:
+            response = await self._send(**{**body, "n": size})
+        finally:
+            self._sends.append((sent, time.time(), size))
+        return split_choices(response, size)
+
+    def _forget_failed(self, key: str, group: _Group, answer: asyncio.Task[Any]) -> None:
+        """After a group's request failed, its later callers open a new one."""
+        if (answer.cancelled() or answer.exception() is not None) and self._groups.get(key) is group:
+            del self._groups[key]
+
+    def _drop_stale_groups(self, now: float) -> None:
+        """Forget the groups opened more than ``claim_horizon_s`` ago, counting their unclaimed choices."""
+        for key in [k for k, g in self._groups.items() if now - g.opened > self.claim_horizon_s]:
+            group = self._groups.pop(key)
+            self._unclaimed += group.size - group.claimed
 
     def _dispatch(self, key: str, batch: _Batch) -> None:
         if batch.sent:
@@ -199,7 +309,10 @@ class CoalescingClient:
         ``late_horizon_s``); ``sends``: for the last :data:`SENDS_KEPT` answered batches, in the
         order they were answered, ``[sent, answered, callers]`` with both times in seconds since
         the epoch (``time.time()``, comparable with another process's on the host): when each
-        request went to vLLM and when its answer (or failure) came back.
+        request went to vLLM and when its answer (or failure) came back (declared groups' too);
+        ``group_requests``, ``group_callers``: requests sent for declared groups and the callers
+        they answered; ``group_choices_unclaimed``: choices of declared groups that no caller
+        claimed within ``claim_horizon_s`` (generated for nothing).
         """
         bounds = [*(f"{bound:g}" for bound in SPREAD_BOUNDS_S), "inf"]
         return {
@@ -210,6 +323,9 @@ class CoalescingClient:
             "arrival_spread_le_s": dict(zip(bounds, self._spread_counts, strict=True)),
             "late_le_s": dict(zip(bounds, self._late_counts, strict=True)),
             "sends": [list(send) for send in self._sends],
+            "group_requests": self._group_requests,
+            "group_callers": self._group_callers,
+            "group_choices_unclaimed": self._unclaimed,
         }
 
     async def _send_batch(self, batch: _Batch) -> None:

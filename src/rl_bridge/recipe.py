@@ -524,6 +524,16 @@ class RolloutSection(_Section):
     and a fixed window sends the group in parts, each loading and processing the clip again; a
     complete group goes at once either way. The model server's ``GET /coalescing`` counts the
     requests and the stragglers. 0: the window is fixed, from the group's first sample."""
+    declare_groups: bool = False
+    """Each sample's request names its group and ``group_size`` (in its ``metadata``,
+    ``gym_video_env.coalesce.group_metadata``), and the rollout client posts every group's first
+    sample before any group's second. The model server sends a group's first turn to vLLM with
+    ``n = group_size`` as soon as its first sample arrives, with or without ``coalesce_window_ms``,
+    and the group's other samples take the other choices when they arrive: generation no longer
+    waits for a group's last sample to come through the Gym servers. Each sample is drawn as
+    before. ``GET /coalescing`` counts the groups' requests and any choices no sample claimed (a
+    sample that failed before reaching the model server). With several vLLM servers or
+    ``gym_workers`` above 1, groups are routed as with ``coalesce_window_ms``."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;

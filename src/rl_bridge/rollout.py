@@ -57,6 +57,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 
 from gym_video_env.affinity import pick
+from gym_video_env.coalesce import GROUP_METADATA_KEY
 from rl_bridge.services.supervisor import Dispatch, InputCrashedServer
 
 __all__ = [
@@ -228,10 +229,17 @@ class _ContentError(Exception):
 
 def prompt_key(row: Mapping[str, Any]) -> str:
     """What identifies a row's input for the server: a digest of its ``responses_create_params``
-    without the sampling settings (the G samples of a prompt share it)."""
+    without the sampling settings and the group declaration (the G samples of a prompt share it,
+    and so do its groups in different steps)."""
     params = dict(row.get("responses_create_params") or row)
     for name in ("temperature", "top_p", "max_output_tokens", "seed"):
         params.pop(name, None)
+    metadata = params.get("metadata")
+    if isinstance(metadata, Mapping) and GROUP_METADATA_KEY in metadata:
+        rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
+        params["metadata"] = rest
+        if not rest:
+            del params["metadata"]
     encoded = json.dumps(params, sort_keys=True, default=str).encode()
     return hashlib.blake2b(encoded, digest_size=12).hexdigest()
 
@@ -292,6 +300,7 @@ def collect_rollouts(
     *,
     supervisor: ServerGuard | None = None,
     on_done: Callable[[RolloutResult], None] | None = None,
+    order: Sequence[int] | None = None,
 ) -> tuple[list[RolloutResult], RolloutStats]:
     """Run every row through ``<agent_url>/run``; see the module docstring for the outcomes.
 
@@ -304,6 +313,8 @@ def collect_rollouts(
         supervisor: keeps the server behind the agent (vLLM) up; rows in flight when it is
             restarted are re-dispatched. ``None``: infrastructure failures are only retried.
         on_done: called in the caller's thread once per finished row (e.g. to advance a progress bar).
+        order: the row indices in the order they are posted (a permutation of the rows);
+            ``None``: row order. With ``max_in_flight`` below the row count, the first ones go first.
 
     Returns:
         One result per row, in row order, and the call's counts.
@@ -317,6 +328,9 @@ def collect_rollouts(
     if not urls:
         raise ValueError("collect_rollouts: no agent URL")
     run_urls = [url.rstrip("/") + "/run" for url in urls]
+    dispatch_order = list(range(len(rows))) if order is None else list(order)
+    if sorted(dispatch_order) != list(range(len(rows))):
+        raise ValueError(f"collect_rollouts: order must be a permutation of the {len(rows)} row indices")
     stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
@@ -384,7 +398,7 @@ def collect_rollouts(
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
                 tasks.extend(
-                    asyncio.create_task(run(index, session, limit, blocking)) for index in range(len(rows))
+                    asyncio.create_task(run(index, session, limit, blocking)) for index in dispatch_order
                 )
                 for next_done in asyncio.as_completed(tasks):
                     finished.put(await next_done)

@@ -163,8 +163,9 @@ class TaskData:
         its prompt hashes to).
 
         ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
-        spreads sessions over them; with ``rollout.coalesce_window_ms``, groups: each group's
-        samples on the server its prompt hashes to).
+        spreads sessions over them; with ``rollout.coalesce_window_ms`` or
+        ``rollout.declare_groups``, groups: each group's samples on the server its prompt hashes
+        to).
 
         With ``rollout.gym_workers`` above 1 the agent, the resources server and the model server
         run as that many replicas of one process each (``task_agent``, ``task_agent_1``, ...;
@@ -204,6 +205,7 @@ class TaskData:
             model_fields["coalesce_window_ms"] = recipe.rollout.coalesce_window_ms
             model_fields["coalesce_max_n"] = recipe.rollout.group_size  # a full group goes at once
             model_fields["coalesce_max_wait_ms"] = recipe.rollout.coalesce_max_wait_ms
+        if recipe.rollout.coalesce_window_ms > 0 or recipe.rollout.declare_groups:
             model_fields["route_by_prompt"] = True  # a group meets on one vLLM server
         workers = recipe.rollout.gym_workers
         # Every server as `workers` replicas, one process each, a row's whole path through replica

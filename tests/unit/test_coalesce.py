@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from gym_video_env.coalesce import CoalescingClient, merged_stats, split_choices
+from gym_video_env.coalesce import (
+    GROUP_METADATA_KEY,
+    CoalescingClient,
+    group_metadata,
+    merged_stats,
+    split_choices,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -245,7 +251,7 @@ def test_with_max_wait_batches_that_fill_leave_no_state_for_the_next() -> None:
 
 
 def test_max_wait_below_the_window_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_wait_s=0.01 must be >= window_s=0.05"):
+    with pytest.raises(ValueError, match=r"max_wait_s=0.01 needs a window_s above 0 and at most it \(it is 0.05\)"):
         CoalescingClient(RecordingClient(), window_s=0.05, max_wait_s=0.01)
 
 
@@ -260,3 +266,107 @@ def test_stats_keep_each_batchs_send_and_answer_time_and_merging_sorts_them() ->
         assert started <= sent and answered - sent >= 0.009
     other = {"sends": [[started - 1.0, started - 0.5, 3]]}
     assert merged_stats([client.stats(), other])["sends"] == [other["sends"][0], *sorted(sends)]
+
+
+def _declared(group: str = "g1", size: int = 4, prompt: str = "p", **metadata: str) -> dict[str, Any]:
+    return _body(prompt, metadata={**metadata, **group_metadata(group, size)})
+
+
+def test_a_declared_group_goes_with_its_first_caller_and_later_callers_take_the_other_choices() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0)  # no window: only the declaration coalesces
+
+    async def scenario() -> list[dict[str, Any]]:
+        first = asyncio.create_task(client.create_chat_completion(**_declared(extra_body="{}")))
+        for _ in range(3):  # the caller, then the request's task, run
+            await asyncio.sleep(0)
+        assert [body["n"] for body in inner.bodies] == [4], "sent with the first caller, no window"
+        early = await first
+        await asyncio.sleep(0.05)  # the answer came long ago: the others take choices at once
+        later = await asyncio.wait_for(_gather(client, [_declared(extra_body="{}")] * 3), timeout=1)
+        return [early, *later]
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    assert len(inner.bodies) == 1
+    sent = inner.bodies[0]
+    assert sent["metadata"] == {"extra_body": "{}"}, "the declaration does not reach vLLM"
+    assert {k: v for k, v in sent.items() if k not in ("n", "metadata")} == _body()
+    tokens = [tuple(answer["choices"][0]["token_ids"]) for answer in answers]
+    assert len(set(tokens)) == 4, "each caller gets a different choice"
+    stats = client.stats()
+    assert (stats["group_requests"], stats["group_callers"], stats["group_choices_unclaimed"]) == (1, 4, 0)
+    assert stats["requests_sent"] == 0 and client._groups == {}
+    assert [n for _, _, n in stats["sends"]] == [4]
+
+
+def test_declared_groups_are_told_apart_by_id_and_a_caller_beyond_the_size_opens_a_new_request() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0)
+    bodies = [_declared("a", 2)] * 3 + [_declared("b", 2)] * 2
+    answers = asyncio.run(asyncio.wait_for(_gather(client, bodies), timeout=5))
+    assert [body["n"] for body in inner.bodies] == [2, 2, 2]
+    assert all("metadata" not in body for body in inner.bodies)
+    assert len(answers) == 5
+    assert client.stats()["group_requests"] == 3
+
+
+def test_a_failed_group_fails_its_callers_and_a_later_caller_opens_a_new_request() -> None:
+    inner = RecordingClient(fail=RuntimeError("vLLM said no"))
+    client = CoalescingClient(inner, window_s=0.0)
+
+    async def scenario() -> list[Any]:
+        failed = await asyncio.gather(
+            *(client.create_chat_completion(**_declared()) for _ in range(2)), return_exceptions=True
+        )
+        inner.fail = None
+        return [*failed, await client.create_chat_completion(**_declared())]
+
+    results = asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    assert [str(r) for r in results[:2]] == ["vLLM said no"] * 2
+    assert len(results[2]["choices"]) == 1
+    assert [body["n"] for body in inner.bodies] == [4, 4]
+
+
+def test_a_caller_that_goes_away_leaves_the_request_to_the_others() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0)
+
+    async def scenario() -> dict[str, Any]:
+        gone = asyncio.create_task(client.create_chat_completion(**_declared()))
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await client.create_chat_completion(**_declared())
+
+    answer = asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    assert len(answer["choices"]) == 1 and len(inner.bodies) == 1
+
+
+def test_unclaimed_choices_are_dropped_after_the_horizon_and_counted() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0, claim_horizon_s=0.02)
+
+    async def scenario() -> None:
+        await client.create_chat_completion(**_declared("a", 4))  # three samples never come
+        await asyncio.sleep(0.05)
+        await client.create_chat_completion(**_declared("b", 4))  # opening a group drops stale ones
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    assert len(client._groups) == 1  # b's
+    assert client.stats()["group_choices_unclaimed"] == 3
+
+
+def test_without_a_window_an_undeclared_request_goes_alone_and_a_malformed_declaration_is_dropped() -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0)
+    malformed = _body(metadata={GROUP_METADATA_KEY: "no-size"})
+    answers = asyncio.run(asyncio.wait_for(_gather(client, [_body(), _body(), malformed]), timeout=5))
+    assert [body.get("n", 1) for body in inner.bodies] == [1, 1, 1]
+    assert all("metadata" not in body for body in inner.bodies)
+    assert len(answers) == 3
+
+
+def test_group_metadata_refuses_an_id_it_could_not_read_back() -> None:
+    assert group_metadata("abc", 8) == {GROUP_METADATA_KEY: "abc:8"}
+    for group, size in (("", 8), ("a:b", 8), ("abc", 0)):
+        with pytest.raises(ValueError, match="group_metadata"):
+            group_metadata(group, size)

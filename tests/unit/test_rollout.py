@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-from rl_bridge.rollout import RolloutSettings, collect_rollouts
+from gym_video_env.coalesce import GROUP_METADATA_KEY
+from rl_bridge.loop.stages.rollout import declared_groups
+from rl_bridge.rollout import RolloutSettings, collect_rollouts, prompt_key
 from rl_bridge.services.process import ManagedProcess, ServiceError, free_port, wait_for_http
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
@@ -31,6 +33,7 @@ class _Agent:
 
     def __init__(self) -> None:
         self.attempts: Counter[str] = Counter()
+        self.order: list[str] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -55,6 +58,7 @@ def _serve_agent() -> Iterator[tuple[str, _Agent]]:
             with state.lock:
                 attempt = state.attempts[row["id"]]
                 state.attempts[row["id"]] += 1
+                state.order.append(row["id"])
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             time.sleep(0.02)
@@ -103,6 +107,36 @@ def test_with_agent_replicas_each_prompts_samples_go_to_one_and_every_replica_ta
     assert all(len(replicas) == 1 for replicas in groups), groups
     assert set().union(*groups) == {"a", "b"}
     assert sum(state_a.attempts.values()) + sum(state_b.attempts.values()) == len(rows)
+
+
+def test_declared_groups_post_every_groups_first_sample_first_each_group_to_one_replica() -> None:
+    prompts = [
+        {"id": f"p{i}", "plan": [200], "responses_create_params": {"input": f"prompt {i}", "metadata": {"k": "v"}}}
+        for i in range(6)
+    ]
+    rows, order = declared_groups(prompts, 3)
+    again, _ = declared_groups(prompts, 3)
+    assert order == [0, 3, 6, 9, 12, 15, 1, 4, 7, 10, 13, 16, 2, 5, 8, 11, 14, 17]
+    declarations = [row["responses_create_params"]["metadata"][GROUP_METADATA_KEY] for row in rows]
+    assert len(set(declarations)) == 6 and all(d.endswith(":3") for d in declarations)
+    assert all(row["responses_create_params"]["metadata"]["k"] == "v" for row in rows)
+    assert declarations[:3] == [declarations[0]] * 3, "a group's samples share their declaration"
+    # A prompt's groups (another step's, with another id) keep the prompt's key: replica, crash record.
+    assert [prompt_key(row) for row in rows[::3]] == [prompt_key(row) for row in again[::3]]
+    assert prompt_key(rows[0]) == prompt_key({"responses_create_params": {"input": "prompt 0", "metadata": {"k": "v"}}})
+    rows = [{**row, "id": f"{index}"} for index, row in enumerate(rows)]
+    with _serve_agent() as (url_a, state_a), _serve_agent() as (url_b, state_b):
+        _, stats = collect_rollouts([url_a, url_b], rows, RolloutSettings(max_in_flight=1), order=order)
+    assert stats.outcomes == {"ok": len(rows)}
+    posted = [int(i) for i in state_a.order + state_b.order]
+    assert sorted(posted) == list(range(len(rows)))
+    for state in (state_a, state_b):  # one row in flight at a time: each replica saw them in order
+        seen = [int(i) for i in state.order]
+        assert seen == [i for i in order if i in seen]
+    groups = [{"a" if str(g * 3 + s) in state_a.attempts else "b" for s in range(3)} for g in range(6)]
+    assert all(len(replicas) == 1 for replicas in groups), groups
+    with pytest.raises(ValueError, match="permutation"):
+        collect_rollouts([url_a], rows, order=[0, 0])
 
 
 def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tuple[str, _Agent]) -> None:

@@ -27,6 +27,9 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   group's first turns) to vLLM as one request with ``n`` choices, one for each caller
   (:mod:`gym_video_env.coalesce`); ``GET /coalescing`` answers its counters, summed over the
   vLLM servers (how many requests went out full, how far apart each batch's callers arrived).
+  A request whose ``metadata`` declares it one of a group's ``G`` samples
+  (:func:`gym_video_env.coalesce.group_metadata`, with or without a window) goes to vLLM with
+  ``n = G`` when the group's first sample arrives; the group's other samples take its other choices.
 - ``route_by_prompt`` sends each conversation to the vLLM server its prompt hashes to
   (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
   meet on one server, where their first turns can be coalesced and their clip is processed once.
@@ -173,16 +176,17 @@ class VideoVLLMModel(VLLMModel):
         if config.vllm_connection_retries is not None:
             for client in self._clients:
                 client.max_connection_retries = config.vllm_connection_retries
-        if config.coalesce_window_ms > 0:
-            self._clients = [
-                CoalescingClient(
-                    client,
-                    window_s=config.coalesce_window_ms / 1000,
-                    max_n=config.coalesce_max_n,
-                    max_wait_s=config.coalesce_max_wait_ms / 1000 if config.coalesce_max_wait_ms else None,
-                )
-                for client in self._clients
-            ]
+        # Always wrapped: a request may declare its group (gym_video_env.coalesce.group_metadata);
+        # without a window the others pass through.
+        self._clients = [
+            CoalescingClient(
+                client,
+                window_s=config.coalesce_window_ms / 1000,
+                max_n=config.coalesce_max_n,
+                max_wait_s=config.coalesce_max_wait_ms / 1000 if config.coalesce_max_wait_ms else None,
+            )
+            for client in self._clients
+        ]
 
     def setup_webserver(self) -> FastAPI:
         app = super().setup_webserver()
@@ -191,9 +195,12 @@ class VideoVLLMModel(VLLMModel):
 
     async def coalescing(self) -> dict[str, Any]:
         """The coalescing counters (:meth:`CoalescingClient.stats`) summed over the vLLM servers;
-        ``enabled`` false and no counters when ``coalesce_window_ms`` is 0."""
+        ``enabled``: whether the window is on (declared groups are coalesced either way)."""
         clients = [client for client in self._clients if isinstance(client, CoalescingClient)]
-        return {"enabled": bool(clients), **merged_stats(client.stats() for client in clients)}
+        return {
+            "enabled": self.config.coalesce_window_ms > 0,
+            **merged_stats(client.stats() for client in clients),
+        }
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)
         """Prepare the media of the raw body, then serve it as the stock server does."""

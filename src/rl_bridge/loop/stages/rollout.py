@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "MASKED_ROWS_FILE",
     "MaskedLog",
     "RolloutStage",
+    "declared_groups",
     "rollout_metrics",
     "verifier_metrics",
     "with_sampling",
@@ -150,12 +152,20 @@ class RolloutStage:
         )
 
     def generate(
-        self, rows: Sequence[Mapping[str, Any]], *, temperature: float, training: bool = True
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        temperature: float,
+        training: bool = True,
+        order: Sequence[int] | None = None,
     ) -> tuple[list[RolloutResult], RolloutStats]:
-        """Each row once at ``temperature`` (the recipe's output length); a training row that
-        failed is recorded in the masked log (held-out rows, ``training=False``, are not)."""
+        """Each row once at ``temperature`` (the recipe's output length), posted in ``order`` (row
+        order by default); a training row that failed is recorded in the masked log (held-out
+        rows, ``training=False``, are not)."""
         rows = [with_sampling(row, temperature, self.recipe.rollout.max_output_tokens) for row in rows]
-        results, stats = collect_rollouts(self.agent_url, rows, self.settings, supervisor=self.supervisor)
+        results, stats = collect_rollouts(
+            self.agent_url, rows, self.settings, supervisor=self.supervisor, order=order
+        )
         if training:
             self.masked.write(
                 (rows[res.index], res.mask_reason, res.error or "") for res in results if res.result is None
@@ -163,6 +173,29 @@ class RolloutStage:
         return results, stats
 
     def groups(self, prompts: Sequence[Mapping[str, Any]]) -> tuple[list[RolloutResult], RolloutStats]:
-        """``rollout.group_size`` samples of every prompt at the recipe's temperature, groups contiguous."""
+        """``rollout.group_size`` samples of every prompt at the recipe's temperature, groups
+        contiguous. With ``rollout.declare_groups``, :func:`declared_groups`' rows and order."""
         r = self.recipe.rollout
+        if r.declare_groups:
+            rows, order = declared_groups(prompts, r.group_size)
+            return self.generate(rows, temperature=r.temperature, order=order)
         return self.generate([p for p in prompts for _ in range(r.group_size)], temperature=r.temperature)
+
+
+def declared_groups(
+    prompts: Sequence[Mapping[str, Any]], group_size: int
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """``group_size`` rows of every prompt, groups contiguous, each row's request declaring its group
+    (``gym_video_env.coalesce.group_metadata``: a fresh id per group and ``group_size``), and the
+    order to post them in: every group's first sample, then every group's second, and so on, so
+    that each group's request reaches vLLM with the group's first sample."""
+    from gym_video_env.coalesce import group_metadata
+
+    rows = []
+    for prompt in prompts:
+        params = prompt["responses_create_params"]
+        metadata = {**(params.get("metadata") or {}), **group_metadata(uuid.uuid4().hex, group_size)}
+        row = {**prompt, "responses_create_params": {**params, "metadata": metadata}}
+        rows += [row] * group_size
+    order = [g * group_size + s for s in range(group_size) for g in range(len(prompts))]
+    return rows, order

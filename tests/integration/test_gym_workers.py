@@ -10,7 +10,9 @@ run's own server specs (``TaskData.gym_specs``):
   logprobs; a complete group goes without waiting out the window. With several Gym workers too
   (uvicorn workers on one port would split a group, one group in eight staying whole with four
   samples over two workers); with several vLLM servers, the model server sends each group to one.
-  The model server's ``GET /coalescing`` counts the same: every request went out full.
+  The model server's ``GET /coalescing`` counts the same: every request went out full;
+- ``rollout.declare_groups``: without a window, a group's request goes to vLLM with its first
+  sample, and the group's later samples take its other choices without another call to vLLM.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import psutil
 import pytest
 import requests
 
-from rl_bridge.loop.stages.rollout import with_sampling
+from rl_bridge.loop.stages.rollout import declared_groups, with_sampling
 from rl_bridge.paths import project_root
 from rl_bridge.recipe import load_recipe
 from rl_bridge.rollout import RolloutSettings, collect_rollouts
@@ -180,6 +182,51 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
     assert sum(sum(counter["late_le_s"].values()) for counter in counters) == 0
     for start in range(0, len(turns), group):  # one prompt per group, each sample its own
         assert len({tuple(turn["prompt_token_ids"]) for turn in turns[start : start + group]}) == 1
+
+
+def test_a_declared_group_goes_to_vllm_with_its_first_sample_and_the_rest_take_its_choices(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    overrides = ["rollout.declare_groups=true", f"rollout.group_size={GROUP}", f"rollout.gym_workers={WORKERS}"]
+    recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=3, seed=3)
+    rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
+    specs, agents = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+    first = order[: len(prompts)]  # each group's first sample
+    rest = order[len(prompts) :]
+
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        agent_urls = [gym.url(agent) for agent in agents]
+        before = _chat_completion_calls(vllm_server)
+        firsts, first_stats = collect_rollouts(agent_urls, [rows[i] for i in first], RolloutSettings(8))
+        after_first = _chat_completion_calls(vllm_server) - before
+        others, other_stats = collect_rollouts(agent_urls, [rows[i] for i in rest], RolloutSettings(16))
+        calls = _chat_completion_calls(vllm_server) - before
+        counters = [
+            requests.get(f"{gym.url(name)}/coalescing", timeout=30).json()
+            for name in _replicas(MODEL_SERVER, WORKERS)
+        ]
+
+    assert first_stats.outcomes == {"ok": len(first)}, [r.error for r in firsts if r.error][:2]
+    assert other_stats.outcomes == {"ok": len(rest)}, [r.error for r in others if r.error][:2]
+    assert after_first == len(prompts), "each group went to vLLM with its first sample, no window"
+    assert calls == len(prompts), f"the later samples took the groups' choices; vLLM answered {calls:.0f}"
+    for result in [*firsts, *others]:
+        (turn,) = [item for item in result.result["response"]["output"] if item.get("role") == "assistant"]
+        assert 0 < len(turn["generation_token_ids"]) <= 2
+        assert len(turn["generation_log_probs"]) == len(turn["generation_token_ids"])
+    assert not any(counter["enabled"] for counter in counters)
+    keys = ("group_requests", "group_callers", "group_choices_unclaimed", "requests_sent")
+    totals = {key: sum(counter[key] for counter in counters) for key in keys}
+    assert totals == {
+        "group_requests": len(prompts),
+        "group_callers": len(rows),
+        "group_choices_unclaimed": 0,
+        "requests_sent": 0,
+    }
 
 
 def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(

@@ -76,7 +76,9 @@ def group_metadata(group: str, size: int) -> dict[str, str]:
     """The ``metadata`` entry that declares a request one of the ``size`` samples of ``group`` (an
     id unique among the groups in flight, without ``:``)."""
     if size < 1 or not group or ":" in group:
-        raise ValueError(f"group_metadata: group={group!r} must be non-empty without ':' and size={size} >= 1")
+        raise ValueError(
+            f"group_metadata: group={group!r} must be non-empty without ':' and size={size} >= 1"
+        )
     return {GROUP_METADATA_KEY: f"{group}:{size}"}
 
 

@@ -187,7 +187,11 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
 def test_a_declared_group_goes_to_vllm_with_its_first_sample_and_the_rest_take_its_choices(
     tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
 ) -> None:
-    overrides = ["rollout.declare_groups=true", f"rollout.group_size={GROUP}", f"rollout.gym_workers={WORKERS}"]
+    overrides = [
+        "rollout.declare_groups=true",
+        f"rollout.group_size={GROUP}",
+        f"rollout.gym_workers={WORKERS}",
+    ]
     recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=3, seed=3)
     rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
     specs, agents = data.gym_specs(

@@ -251,7 +251,9 @@ def test_with_max_wait_batches_that_fill_leave_no_state_for_the_next() -> None:
 
 
 def test_max_wait_below_the_window_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"max_wait_s=0.01 needs a window_s above 0 and at most it \(it is 0.05\)"):
+    with pytest.raises(
+        ValueError, match=r"max_wait_s=0.01 needs a window_s above 0 and at most it \(it is 0.05\)"
+    ):
         CoalescingClient(RecordingClient(), window_s=0.05, max_wait_s=0.01)
 
 

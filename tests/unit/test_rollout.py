@@ -111,7 +111,11 @@ def test_with_agent_replicas_each_prompts_samples_go_to_one_and_every_replica_ta
 
 def test_declared_groups_post_every_groups_first_sample_first_each_group_to_one_replica() -> None:
     prompts = [
-        {"id": f"p{i}", "plan": [200], "responses_create_params": {"input": f"prompt {i}", "metadata": {"k": "v"}}}
+        {
+            "id": f"p{i}",
+            "plan": [200],
+            "responses_create_params": {"input": f"prompt {i}", "metadata": {"k": "v"}},
+        }
         for i in range(6)
     ]
     rows, order = declared_groups(prompts, 3)
@@ -123,7 +127,9 @@ def test_declared_groups_post_every_groups_first_sample_first_each_group_to_one_
     assert declarations[:3] == [declarations[0]] * 3, "a group's samples share their declaration"
     # A prompt's groups (another step's, with another id) keep the prompt's key: replica, crash record.
     assert [prompt_key(row) for row in rows[::3]] == [prompt_key(row) for row in again[::3]]
-    assert prompt_key(rows[0]) == prompt_key({"responses_create_params": {"input": "prompt 0", "metadata": {"k": "v"}}})
+    assert prompt_key(rows[0]) == prompt_key(
+        {"responses_create_params": {"input": "prompt 0", "metadata": {"k": "v"}}}
+    )
     rows = [{**row, "id": f"{index}"} for index, row in enumerate(rows)]
     with _serve_agent() as (url_a, state_a), _serve_agent() as (url_b, state_b):
         _, stats = collect_rollouts([url_a, url_b], rows, RolloutSettings(max_in_flight=1), order=order)

@@ -500,8 +500,8 @@ class RolloutSection(_Section):
     gym_workers: PositiveInt = 1
     """Processes of each Gym server: the agent, the resources server and the model server each run
     as that many replicas on ports of their own, agent replica ``i`` calling resources and model
-    replica ``i``, and the rollout client sends each row to the agent replica its prompt hashes to
-    (``rl_bridge.rollout.prompt_key``): a group's samples take one path, so its first turns reach one
+    replica ``i``, and the rollout client deals a batch's prompts out over the agent replicas
+    (``rl_bridge.rollout.spread_prompts``, evenly): a group's samples take one path, so its first turns reach one
     model-server process together (which ``coalesce_window_ms`` needs) and a session's calls one
     resources process. Each Gym server is one Python process by default; with many rollouts in
     flight on a host with cores to spare, more spread their request handling (by groups)."""

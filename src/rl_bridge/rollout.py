@@ -69,6 +69,7 @@ __all__ = [
     "ServerGuard",
     "collect_rollouts",
     "prompt_key",
+    "spread_prompts",
 ]
 
 RolloutOutcome = Literal["ok", "policy_fault", "content_failed", "infra_failed"]
@@ -244,6 +245,20 @@ def prompt_key(row: Mapping[str, Any]) -> str:
     return hashlib.blake2b(encoded, digest_size=12).hexdigest()
 
 
+def spread_prompts(keys: Sequence[str], n: int) -> dict[str, int]:
+    """A replica in ``range(n)`` for each distinct prompt key, dealt out in the order the keys first
+    come: the first prompt to the replica its key picks (:func:`gym_video_env.affinity.pick`), each
+    next one to the next replica. A call's groups are balanced over the replicas, where hashing
+    each would leave one replica with 6 of 16 groups over 4 replicas in a typical batch, and a
+    group's samples queue behind the others' in each server of its replica; a call with one prompt
+    (the async loop's) goes where its key picks."""
+    replicas: dict[str, int] = {}
+    for key in keys:
+        if key not in replicas:
+            replicas[key] = (pick(keys[0], n) + len(replicas)) % n
+    return replicas
+
+
 def _excerpt(text: str, head: int = 200, tail: int = 600) -> str:
     """``text`` shortened to its start and its end: a Gym agent's error quotes the inner server's
     answer, whose reason comes last."""
@@ -306,8 +321,9 @@ def collect_rollouts(
 
     Args:
         agent_url: the agent server's base URL, e.g. ``http://127.0.0.1:8123``, or its replicas'
-            (``rollout.gym_workers``): each row goes to the one its :func:`prompt_key` picks, so a
-            group's samples (and a row's retries) all go to one.
+            (``rollout.gym_workers``): the call's prompts are dealt out over them in dispatch order
+            (:func:`spread_prompts`), so a group's samples (and a row's retries) all go to one and
+            the groups are balanced.
         rows: Gym rows (``responses_create_params`` plus the verifier's fields), posted as they are.
         settings: dispatch settings; ``None`` means the defaults.
         supervisor: keeps the server behind the agent (vLLM) up; rows in flight when it is
@@ -331,6 +347,8 @@ def collect_rollouts(
     dispatch_order = list(range(len(rows))) if order is None else list(order)
     if sorted(dispatch_order) != list(range(len(rows))):
         raise ValueError(f"collect_rollouts: order must be a permutation of the {len(rows)} row indices")
+    keys = [prompt_key(row) for row in rows]
+    replicas = spread_prompts([keys[index] for index in dispatch_order], len(run_urls))
     stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
@@ -343,8 +361,8 @@ def collect_rollouts(
     ) -> RolloutResult:
         error = ""
         attempts = redispatches = 0
-        key = prompt_key(rows[index])
-        url = run_urls[pick(key, len(run_urls))]
+        key = keys[index]
+        url = run_urls[replicas[key]]
         loop = asyncio.get_running_loop()
         async with limit:
             while attempts < settings.max_attempts:

@@ -159,8 +159,8 @@ class TaskData:
         self, recipe: Recipe, *, openai_url: str | Sequence[str], model_name: str
     ) -> tuple[list[GymServerSpec], tuple[str, ...]]:
         """The Gym servers of the task and the names of the agent servers whose ``/run`` rolls out
-        (one, or ``rollout.gym_workers`` replicas, ``collect_rollouts`` sending each row to the one
-        its prompt hashes to).
+        (one, or ``rollout.gym_workers`` replicas, ``collect_rollouts`` dealing a batch's prompts
+        out over them evenly, each group to one).
 
         ``openai_url``: the vLLM server's OpenAI endpoint, or each replica's (the model server
         spreads sessions over them; with ``rollout.coalesce_window_ms`` or
@@ -170,8 +170,8 @@ class TaskData:
         With ``rollout.gym_workers`` above 1 the agent, the resources server and the model server
         run as that many replicas of one process each (``task_agent``, ``task_agent_1``, ...;
         ``policy_model``, ``policy_model_1``, ...), agent replica ``i`` calling resources and
-        model replica ``i``; the rollout client sends each row to the agent replica its prompt
-        hashes to (``rl_bridge.rollout.prompt_key``), so a group's samples stay in one process of each
+        model replica ``i``; the rollout client deals a batch's prompts out over the agent replicas
+        (``rl_bridge.rollout.spread_prompts``), so a group's samples stay in one process of each
         server all the way, and its first turns reach the model server together. (uvicorn workers
         sharing a port take connections whichever is free: a group's samples would wait in
         different queues.)

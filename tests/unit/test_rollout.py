@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
+from gym_video_env.affinity import pick
 from gym_video_env.coalesce import GROUP_METADATA_KEY
 from rl_bridge.loop.stages.rollout import declared_groups
-from rl_bridge.rollout import RolloutSettings, collect_rollouts, prompt_key
+from rl_bridge.rollout import RolloutSettings, collect_rollouts, prompt_key, spread_prompts
 from rl_bridge.services.process import ManagedProcess, ServiceError, free_port, wait_for_http
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
@@ -107,6 +108,16 @@ def test_with_agent_replicas_each_prompts_samples_go_to_one_and_every_replica_ta
     assert all(len(replicas) == 1 for replicas in groups), groups
     assert set().union(*groups) == {"a", "b"}
     assert sum(state_a.attempts.values()) + sum(state_b.attempts.values()) == len(rows)
+    assert groups.count({"a"}) == 6, "the groups are dealt out evenly"
+
+
+def test_a_calls_prompts_are_dealt_out_over_the_replicas_the_first_where_its_key_picks() -> None:
+    keys = [f"k{i}" for i in range(16) for _ in range(8)]
+    replicas = spread_prompts(keys, 4)
+    assert list(replicas) == [f"k{i}" for i in range(16)]
+    assert Counter(replicas.values()) == dict.fromkeys(range(4), 4)
+    assert [replicas[f"k{i}"] for i in range(16)] == [(pick("k0", 4) + i) % 4 for i in range(16)]
+    assert spread_prompts(["alone"] * 8, 4) == {"alone": pick("alone", 4)}
 
 
 def test_declared_groups_post_every_groups_first_sample_first_each_group_to_one_replica() -> None:

@@ -56,7 +56,7 @@ class Roles:
     """Each vLLM server's root (``http://host:port``), for refits and weight-version checks."""
     agent_url: str | tuple[str, ...]
     """The Gym agent server whose ``/run`` produces one rollout, or its replicas
-    (``rollout.gym_workers``; each row goes to the one its prompt picks)."""
+    (``rollout.gym_workers``; a batch's prompts are dealt out over them, each group to one)."""
     policy: PolicyHandle
     reference: PolicyHandle | None
     """The frozen reference policy; ``None`` unless the loss has a KL term."""

@@ -501,10 +501,11 @@ class RolloutSection(_Section):
     """Processes of each Gym server: the agent, the resources server and the model server each run
     as that many replicas on ports of their own, agent replica ``i`` calling resources and model
     replica ``i``, and the rollout client deals a batch's prompts out over the agent replicas
-    (``rl_bridge.rollout.spread_prompts``, evenly): a group's samples take one path, so its first turns reach one
-    model-server process together (which ``coalesce_window_ms`` needs) and a session's calls one
-    resources process. Each Gym server is one Python process by default; with many rollouts in
-    flight on a host with cores to spare, more spread their request handling (by groups)."""
+    evenly (``rl_bridge.rollout.spread_prompts``): a group's samples take one path, so its first
+    turns reach one model-server process together (which ``coalesce_window_ms`` and
+    ``declare_groups`` need) and a session's calls one resources process. Each Gym server is one
+    Python process by default; with many rollouts in flight on a host with cores to spare, more
+    spread their request handling (by groups)."""
     coalesce_window_ms: NonNegativeFloat = 0.0
     """The model server holds the first of identical requests this long and sends those that
     arrive meanwhile to vLLM as one request with ``n`` choices, one per sample

@@ -4,7 +4,7 @@ run's own server specs (``TaskData.gym_specs``):
 - ``rollout.gym_workers``: the agent, the resources server and the model server as that many
   replicas of one process each, agent replica ``i`` calling resources and model replica ``i``;
   every server starts so, and a group of rollouts completes through them with vLLM's token ids,
-  each group's samples all through one agent replica (the client picks it by the prompt);
+  each group's samples all through one agent replica (the client deals the prompts out);
 - ``rollout.coalesce_window_ms``: a group's identical first turns reach vLLM as one chat
   completion with ``n`` choices, and each rollout gets its own sample with its token ids and
   logprobs; a complete group goes without waiting out the window. With several Gym workers too

@@ -60,6 +60,7 @@ __all__ = [
     "group_metadata",
     "merged_stats",
     "split_choices",
+    "without_group",
 ]
 
 SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -82,14 +83,23 @@ def group_metadata(group: str, size: int) -> dict[str, str]:
     return {GROUP_METADATA_KEY: f"{group}:{size}"}
 
 
+def without_group(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's fields (a chat completion's or a Responses request's) without a group
+    declaration in its ``metadata``; the ``metadata`` goes too when nothing else is left in it."""
+    metadata = params.get("metadata")
+    if not isinstance(metadata, Mapping) or GROUP_METADATA_KEY not in metadata:
+        return dict(params)
+    rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
+    return {**params, "metadata": rest} if rest else {k: v for k, v in params.items() if k != "metadata"}
+
+
 def _declared_group(body: dict[str, Any]) -> tuple[dict[str, Any], str | None, int]:
     """``body`` without the group declaration, the declaring ``"<id>:<size>"`` (``None``: none or
     malformed, left out either way) and the size (1 without one)."""
     metadata = body.get("metadata")
     if not isinstance(metadata, dict) or GROUP_METADATA_KEY not in metadata:
         return body, None, 1
-    rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
-    stripped = {**body, "metadata": rest} if rest else {k: v for k, v in body.items() if k != "metadata"}
+    stripped = without_group(body)
     group, _, size = str(metadata[GROUP_METADATA_KEY]).rpartition(":")
     if not group or not size.isdigit() or int(size) < 1:
         return stripped, None, 1

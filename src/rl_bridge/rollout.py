@@ -57,7 +57,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 
 from gym_video_env.affinity import pick
-from gym_video_env.coalesce import GROUP_METADATA_KEY
+from gym_video_env.coalesce import without_group
 from rl_bridge.services.supervisor import Dispatch, InputCrashedServer
 
 __all__ = [
@@ -232,15 +232,9 @@ def prompt_key(row: Mapping[str, Any]) -> str:
     """What identifies a row's input for the server: a digest of its ``responses_create_params``
     without the sampling settings and the group declaration (the G samples of a prompt share it,
     and so do its groups in different steps)."""
-    params = dict(row.get("responses_create_params") or row)
+    params = without_group(row.get("responses_create_params") or row)
     for name in ("temperature", "top_p", "max_output_tokens", "seed"):
         params.pop(name, None)
-    metadata = params.get("metadata")
-    if isinstance(metadata, Mapping) and GROUP_METADATA_KEY in metadata:
-        rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
-        params["metadata"] = rest
-        if not rest:
-            del params["metadata"]
     encoded = json.dumps(params, sort_keys=True, default=str).encode()
     return hashlib.blake2b(encoded, digest_size=12).hexdigest()
 
@@ -253,9 +247,10 @@ def spread_prompts(keys: Sequence[str], n: int) -> dict[str, int]:
     group's samples queue behind the others' in each server of its replica; a call with one prompt
     (the async loop's) goes where its key picks."""
     replicas: dict[str, int] = {}
+    first = pick(keys[0], n) if keys else 0
     for key in keys:
         if key not in replicas:
-            replicas[key] = (pick(keys[0], n) + len(replicas)) % n
+            replicas[key] = (first + len(replicas)) % n
     return replicas
 
 

@@ -196,10 +196,9 @@ class VideoVLLMModel(VLLMModel):
     async def coalescing(self) -> dict[str, Any]:
         """The coalescing counters (:meth:`CoalescingClient.stats`) summed over the vLLM servers;
         ``enabled``: whether the window is on (declared groups are coalesced either way)."""
-        clients = [client for client in self._clients if isinstance(client, CoalescingClient)]
         return {
             "enabled": self.config.coalesce_window_ms > 0,
-            **merged_stats(client.stats() for client in clients),
+            **merged_stats(client.stats() for client in self._clients),
         }
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):  # noqa: B008 (FastAPI)

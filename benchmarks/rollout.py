@@ -370,6 +370,9 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
             f"+{timeline['last_sent_s']:.3f} s, last answer at +{timeline['last_answered_s']:.3f} s of "
             f"{result['wall_s']:.3f} s"
         )
+    if runs := result.get("runs"):
+        walls = ", ".join(f"{run['wall_s']:.3f}" for run in runs)
+        lines.append(f"  the median of {len(runs)} runs (wall s: {walls})")
     if result["first_error"]:
         lines.append(f"  first error: {result['first_error'][:300]}")
     return lines
@@ -529,11 +532,28 @@ class Phase:
     direct: bool = False
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of the run with the median wall time (the slower middle one of an even count)
+    and, with more than one run, every run's wall time and send timeline under ``runs``."""
+    ordered = sorted(runs, key=lambda run: run["wall_s"])
+    result = dict(ordered[len(ordered) // 2])
+    if len(runs) > 1:
+        result["runs"] = [{"wall_s": run["wall_s"], "timeline": run.get("timeline")} for run in runs]
+    return result
+
+
 def run_phase(
-    phase: Phase, server: Any, data: Any, warmup: list[dict[str, Any]], log_dir: Path, stack: ExitStack
+    phase: Phase,
+    server: Any,
+    data: Any,
+    warmup: list[dict[str, Any]],
+    log_dir: Path,
+    stack: ExitStack,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Start ``phase``'s Gym servers (none for a direct phase) against ``server``, warm up on one
-    untimed group, time each batch from cold caches; the Gym servers stop with ``stack``."""
+    untimed group, time each batch from cold caches (``full`` and ``grouped`` ``repeats`` times,
+    keeping the median run: :func:`median_run`); the Gym servers stop with ``stack``."""
     from rl_bridge.paths import project_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.tasks import MODEL_SERVER
@@ -563,9 +583,11 @@ def run_phase(
     out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
     print(f"[{phase.name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
     for label, rows in phase.batches.items():
-        out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-        result = time_batch(rows, grouped=True) if label == "grouped" else time_batch(rows)
-        out[label] = result
+        runs = []
+        for _ in range(repeats if label != "subset" else 1):
+            out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
+            runs.append(time_batch(rows, grouped=True) if label == "grouped" else time_batch(rows))
+        out[label] = result = median_run(runs)
         for line in batch_report(label, result):
             print(f"[{phase.name}] {line}", flush=True)
         if result["ok"] < result["samples"]:
@@ -582,6 +604,7 @@ def run_server_config(
     log_root: Path,
     *,
     first_fallback: int = 0,
+    repeats: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """Start vLLM (configuration ``name``, from the first phase's recipe) and run every phase on it,
     each with its own Gym servers (stopped before the next starts); the results by phase name, the
@@ -621,7 +644,7 @@ def run_server_config(
             for phase in phases:
                 with ExitStack() as gym_stack:
                     try:
-                        out = run_phase(phase, server, data, warmup, log_dir, gym_stack)
+                        out = run_phase(phase, server, data, warmup, log_dir, gym_stack, repeats)
                     except Exception as error:  # noqa: BLE001 (one phase's failure must not lose the others)
                         traceback.print_exc()
                         out = {"error": f"{type(error).__name__}: {error}"}
@@ -752,35 +775,47 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
             allowed_token_ids=support,
             logprobs=logprobs,
         )
+        sampling = (
+            f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
+            f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None}, "
+            f"logprobs={logprobs})"
+        )
         started = time.perf_counter()  # each sampling's first use (logprobs take paths of their own)
         llm.generate(warm_inputs, params, use_tqdm=False)
         warm_s = time.perf_counter() - started
         out.setdefault("warmup", {})[label] = {"samples": r.group_size, "wall_s": warm_s}
-        llm.reset_prefix_cache()  # then the timed prompts from cold caches
-        llm.reset_mm_cache()
-        llm.llm_engine.reset_encoder_cache()
-        cpu_before = cpu_snapshot()
-        started = time.perf_counter()
-        outputs = llm.generate(timed_inputs, params, use_tqdm=False)
-        wall = time.perf_counter() - started
-        cpu = cpu_by_role(cpu_before, wall)
-        samples = sum(len(o.outputs) for o in outputs)
-        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        out[label] = {
-            "samples": samples,
-            "ok": samples,
-            "wall_s": wall,
-            "samples_per_s": samples / wall,
-            "per_sample_s": wall / samples,
-            "generated_tokens": generated,
-            "generated_tokens_per_s": generated / wall,
-            "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
-            "sampling": f"SamplingParams(n={r.group_size}, temperature={r.temperature}, "
-            f"max_tokens={r.max_output_tokens}, allowed_token_ids={'set' if support else None}, "
-            f"logprobs={logprobs})",
-            "cpu_by_process": cpu,
-        }
+        runs = []
+        for _ in range(args.repeats):
+            llm.reset_prefix_cache()  # then the timed prompts from cold caches
+            llm.reset_mm_cache()
+            llm.llm_engine.reset_encoder_cache()
+            runs.append(timed_generate(llm, timed_inputs, params, sampling))
+        out[label] = median_run(runs)
     return out
+
+
+def timed_generate(llm: Any, inputs: list[dict[str, Any]], params: Any, sampling: str) -> dict[str, Any]:
+    """One timed ``llm.generate`` of ``inputs`` with ``params`` (described as ``sampling``): its
+    figures as :func:`batch_figures` names them."""
+    cpu_before = cpu_snapshot()
+    started = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    cpu = cpu_by_role(cpu_before, wall)
+    samples = sum(len(o.outputs) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "samples": samples,
+        "ok": samples,
+        "wall_s": wall,
+        "samples_per_s": samples / wall,
+        "per_sample_s": wall / samples,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens_per_sample": sum(len(o.prompt_token_ids) for o in outputs) / len(outputs),
+        "sampling": sampling,
+        "cpu_by_process": cpu,
+    }
 
 
 def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
@@ -935,6 +970,13 @@ def main() -> int:
         "the Gym side (coalescing, Gym workers), else on a vLLM server of their own (API servers, "
         "renderer threads); repeatable",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each whole batch (ours, its variants, direct, stock) this many times from cold "
+        "caches and report the median run, with every run's wall time (default 1)",
+    )
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
@@ -999,18 +1041,22 @@ def main() -> int:
                         own_servers.append([phase, *(direct if "direct" in configs else [])])
                 if "direct" in configs:  # on the same server
                     phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
-                results.update(run_server_config(name, data, warmup, phases, log_root))
+                results.update(run_server_config(name, data, warmup, phases, log_root, repeats=args.repeats))
                 fallback = results["ours"].get("fallback", 0)
                 for own in own_servers:
                     try:
-                        results.update(run_server_config(own[0].name, data, warmup, own, log_root))
+                        results.update(
+                            run_server_config(own[0].name, data, warmup, own, log_root, repeats=args.repeats)
+                        )
                     except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
                         traceback.print_exc()
                         results[own[0].name] = {"error": f"{type(error).__name__}: {error}"}
             elif name == "direct":
                 if "ours" not in configs:
                     phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]
-                    results.update(run_server_config(name, data, warmup, phases, log_root))
+                    results.update(
+                        run_server_config(name, data, warmup, phases, log_root, repeats=args.repeats)
+                    )
             elif name == "seed":
                 phases = [Phase("seed", recipe, {"subset": subset})]
                 seed = run_server_config(name, data, warmup, phases, log_root, first_fallback=fallback)

@@ -56,6 +56,9 @@ _RESOURCES: Final[dict[str, str]] = {
     "segments": "video_segments",
     "agentic": "video_segments",
 }
+#: Resources servers that keep no state per episode (their ``/seed_session`` is Gym's, which does
+#: nothing): the agent does not call it.
+_STATELESS_RESOURCES: Final[frozenset[str]] = frozenset({"video_mcqa"})
 # The observation route of video_segments that returns the next unseen segment's clip.
 _NEXT_SEGMENT_ROUTE: Final = "/next_segment"
 
@@ -182,8 +185,9 @@ class TaskData:
         which answers a row the model server refuses (a video that does not decode) with that
         4xx, so the rollout counts it as a content failure instead of retrying it. ``mcqa``: the
         resources server ``video_mcqa``, one model call (the agent is then Gym's
-        ``simple_agent``). ``segments``: ``video_segments``, the agent asking ``/next_segment``
-        for the next clip after every model turn: ``num_segments + 1`` model calls, the clips in
+        ``simple_agent``, less the call to ``/seed_session``: the server keeps no state per
+        episode). ``segments``: ``video_segments``, the agent asking ``/next_segment`` for the
+        next clip after every model turn: ``num_segments + 1`` model calls, the clips in
         between. ``agentic``: ``video_segments`` with ``tool_call_cost`` and no observation route:
         a turn that calls ``watch_segment`` gets the clip in the next turn, a turn that answers
         ends the episode (``num_segments + 1`` model calls at most); with
@@ -230,6 +234,7 @@ class TaskData:
         agent_fields: dict[str, Any] = {
             "max_steps": task.max_model_calls,
             "policy_fault_reward": recipe.rollout.policy_fault_reward,
+            "seed_session": name not in _STATELESS_RESOURCES,
         }
         if task.environment == "agentic":
             resources_fields["tool_call_cost"] = task.tool_call_cost

@@ -73,6 +73,7 @@ def test_each_gym_server_runs_as_its_workers_and_a_group_rolls_out(
         assert by_name[agent].fields["model_server"]["name"] == model
         assert by_name[agent].fields["resources_server"]["name"] == resource
         assert "model_servers" not in by_name[agent].fields
+        assert by_name[agent].fields["seed_session"] is False  # video_mcqa keeps no session state
 
     with start_gym_servers(
         specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600

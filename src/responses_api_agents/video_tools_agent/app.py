@@ -26,8 +26,9 @@ An inner server's refusal of the row itself (HTTP 4xx other than 408 and 429: e.
 server or vLLM refusing a video that does not decode) is answered with that status and body,
 where Gym's agents answer 500: callers can tell a bad row, which retrying cannot fix, from a
 failing server. With ``max_steps: 1`` and no ``observation_route`` the agent is ``simple_agent``
-with that difference. ``first_call_params`` adds request fields to the first model call only
-(e.g. a structured-outputs choice that makes the first turn an action).
+with that difference. ``seed_session: false`` skips ``/seed_session`` for a resources server
+that keeps no state per episode. ``first_call_params`` adds request fields to the first model
+call only (e.g. a structured-outputs choice that makes the first turn an action).
 
 ``model_servers`` lists replicas of ``model_server`` (the same server as separate processes, each
 with its own port): each trajectory makes all its model calls to the one its prompt hashes to
@@ -71,6 +72,10 @@ class VideoToolsAgentConfig(BaseResponsesAPIAgentConfig):
     turn without tool calls. ``None``: such a turn ends the trajectory."""
     policy_fault_reward: float = 0.0
     """Reward of a trajectory that ended in a policy fault (its context outgrew the model's)."""
+    seed_session: bool = True
+    """Call the resources server's ``/seed_session`` with the row before the episode, as Gym's
+    agents do. ``False`` for a resources server that keeps no state per episode (its
+    ``seed_session`` is Gym's, which does nothing): one request a sample fewer."""
     first_call_params: dict[str, Any] | None = None
     """Request fields merged into the first model call only (a dict value such as ``metadata`` is
     merged key by key), e.g. ``{"metadata": {"extra_body": "<json>"}}``, which Gym's model server
@@ -123,14 +128,16 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
 
     async def run(self, request: Request, body: VideoToolsAgentRunRequest) -> VideoToolsAgentVerifyResponse:
         row = body.model_dump(mode="json")
-        seeded = await self.server_client.post(
-            server_name=self.config.resources_server.name,
-            url_path="/seed_session",
-            json=row,
-            cookies=request.cookies,
-        )
-        await raise_for_status(seeded)
-        resources_cookies = _cookies(seeded)
+        resources_cookies = dict(request.cookies)
+        if self.config.seed_session:
+            seeded = await self.server_client.post(
+                server_name=self.config.resources_server.name,
+                url_path="/seed_session",
+                json=row,
+                cookies=request.cookies,
+            )
+            await raise_for_status(seeded)
+            resources_cookies = _cookies(seeded)
         result, _, policy_fault = await self._episode(
             body.responses_create_params.model_dump(mode="json", exclude_unset=True),
             model_cookies=request.cookies,

@@ -46,8 +46,9 @@
 #              (model.vllm_api_servers=4), direct and stock: whether they take ours past it
 #   rollout_declared  ours as the recipe runs it (rollout.declare_groups: each group goes to vLLM
 #              with its first sample; eight Gym replicas), with the 50 ms window alone, with four
-#              Gym replicas, direct and stock, each whole batch timed three times (the median run
-#              reported)
+#              Gym replicas, with vLLM's offline step budget (a server of its own with
+#              --max-num-batched-tokens 16384, and direct on it), direct and stock, each whole batch
+#              timed three times (the median run reported)
 #   ipc_refcount  benchmarks/ipc_refcount.py: with torch alone, whether the trainer gets its packed
 #              ipc refit buffer back after each refit when vLLM 0.26's worker releases it per chunk,
 #              exported once (vLLM's packer) against once per chunk (this package's)
@@ -159,7 +160,7 @@ for name in "${jobs[@]}"; do
       --json "$out/rollout_groups_as4.json" ;;
     rollout_declared) job rollout_declared 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --repeats 3 --variant "window: rollout.declare_groups=false" --variant "w4: rollout.gym_workers=4" \
-      --json "$out/rollout_declared.json" ;;
+      --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --json "$out/rollout_declared.json" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \

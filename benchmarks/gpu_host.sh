@@ -49,6 +49,9 @@
 #              Gym replicas, with vLLM's offline step budget (a server of its own with
 #              --max-num-batched-tokens 16384, and direct on it), direct and stock, each whole batch
 #              timed three times (the median run reported)
+#   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
+#              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
+#              is worth, without a server
 #   ipc_refcount  benchmarks/ipc_refcount.py: with torch alone, whether the trainer gets its packed
 #              ipc refit buffer back after each refit when vLLM 0.26's worker releases it per chunk,
 #              exported once (vLLM's packer) against once per chunk (this package's)
@@ -161,6 +164,9 @@ for name in "${jobs[@]}"; do
     rollout_declared) job rollout_declared 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --repeats 3 --variant "window: rollout.declare_groups=false" --variant "w4: rollout.gym_workers=4" \
       --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --json "$out/rollout_declared.json" ;;
+    stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
+      --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
+      --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \

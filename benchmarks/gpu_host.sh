@@ -47,9 +47,13 @@
 #   rollout_declared  ours as the recipe runs it (rollout.declare_groups: each group goes to vLLM
 #              with its first sample; eight Gym replicas), with the 50 ms window alone, with four
 #              Gym replicas, with vLLM's offline step budget (a server of its own with
-#              --max-num-batched-tokens 16384, and direct on it), with four vLLM API servers (each
-#              group now reaches them as one request, which four API servers need to gain), direct
-#              and stock, each whole batch timed three times (the median run reported)
+#              --max-num-batched-tokens 16384, and direct on it), direct and stock, each whole batch
+#              timed three times (the median run reported)
+#   rollout_servers  ours as the one-GPU recipes run it (declared groups, eight Gym replicas), with
+#              four vLLM API servers (each group now reaches vLLM as one request, which is what four
+#              API servers need to gain: their clip processing runs in parallel), with vLLM's offline
+#              step budget (--max-num-batched-tokens 16384) and with both; direct and stock on each
+#              server; each whole batch timed three times (the median run reported)
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -164,8 +168,12 @@ for name in "${jobs[@]}"; do
       --json "$out/rollout_groups_as4.json" ;;
     rollout_declared) job rollout_declared 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --repeats 3 --variant "window: rollout.declare_groups=false" --variant "w4: rollout.gym_workers=4" \
-      --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --variant "as4: model.vllm_api_servers=4" \
-      --json "$out/rollout_declared.json" ;;
+      --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --json "$out/rollout_declared.json" ;;
+    rollout_servers) job rollout_servers 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
+      --repeats 3 --variant "as4: model.vllm_api_servers=4" \
+      --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" \
+      --variant "as4_mbt16k: model.vllm_api_servers=4 model.vllm_max_num_batched_tokens=16384" \
+      --json "$out/rollout_servers.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;

@@ -311,19 +311,15 @@ def timed_rollouts(
     """Roll ``rows`` (consecutive groups) out through the agent as ``RolloutStage.groups`` does
     (with ``rollout.declare_groups``, declared and in its order); wall time, vLLM's counters and,
     with coalescing, the model servers' (``model_urls``)."""
-    from rl_bridge.loop.stages.rollout import declared_groups
-    from rl_bridge.rollout import RolloutSettings, collect_rollouts
+    from rl_bridge.loop.stages.rollout import declared_groups, dispatch_settings
+    from rl_bridge.rollout import collect_rollouts
 
     order = None
     if recipe.rollout.declare_groups:
         size = recipe.rollout.group_size
         rows, order = declared_groups(rows[::size], size)
 
-    settings = RolloutSettings(
-        max_in_flight=recipe.rollout.max_in_flight,
-        max_attempts=recipe.rollout.max_attempts,
-        timeout_s=recipe.rollout.timeout_s,
-    )
+    settings = dispatch_settings(recipe.rollout)
     coalescing_before = None
     if model_urls:
         time.sleep(2.5)  # past the coalescers' late horizon (2 s): earlier batches' groups are not late

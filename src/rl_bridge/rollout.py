@@ -112,6 +112,10 @@ class RolloutSettings:
     """Longest wait for one ``/run`` answer, seconds."""
     backoff_s: float = 0.5
     """Wait before re-dispatch ``k`` (1-based) is ``backoff_s * 2**(k - 1)`` seconds."""
+    follower_delay_s: float = 0.0
+    """A row whose prompt an earlier row in dispatch order already has (a group's later samples)
+    is first posted this long after the call starts; 0: at once. Every group's first sample then
+    travels through the Gym servers alone, ahead of the others' requests."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_attempts < 1:
@@ -119,9 +123,10 @@ class RolloutSettings:
                 f"RolloutSettings: max_in_flight={self.max_in_flight} and max_attempts={self.max_attempts} "
                 "must be >= 1"
             )
-        if not self.timeout_s > 0 or self.backoff_s < 0:
+        if not self.timeout_s > 0 or self.backoff_s < 0 or self.follower_delay_s < 0:
             raise ValueError(
-                f"RolloutSettings: timeout_s={self.timeout_s} must be > 0 and backoff_s={self.backoff_s} >= 0"
+                f"RolloutSettings: timeout_s={self.timeout_s} must be > 0, backoff_s={self.backoff_s} and "
+                f"follower_delay_s={self.follower_delay_s} >= 0"
             )
 
 
@@ -344,6 +349,7 @@ def collect_rollouts(
         raise ValueError(f"collect_rollouts: order must be a permutation of the {len(rows)} row indices")
     keys = [prompt_key(row) for row in rows]
     replicas = spread_prompts([keys[index] for index in dispatch_order], len(run_urls))
+    leaders = {keys[index]: index for index in reversed(dispatch_order)}  # each prompt's first row
     stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
@@ -359,6 +365,8 @@ def collect_rollouts(
         key = keys[index]
         url = run_urls[replicas[key]]
         loop = asyncio.get_running_loop()
+        if settings.follower_delay_s > 0 and leaders[key] != index:
+            await asyncio.sleep(settings.follower_delay_s)
         async with limit:
             while attempts < settings.max_attempts:
                 try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rl_bridge.recipe import Recipe
+from rl_bridge.recipe import Recipe, RolloutSection
 from rl_bridge.rollout import RolloutResult, RolloutSettings, RolloutStats, collect_rollouts
 
 __all__ = [
@@ -145,11 +145,7 @@ class RolloutStage:
         self.agent_url = agent_url
         self.supervisor = supervisor
         self.masked = masked
-        self.settings = RolloutSettings(
-            max_in_flight=recipe.rollout.max_in_flight,
-            max_attempts=recipe.rollout.max_attempts,
-            timeout_s=recipe.rollout.timeout_s,
-        )
+        self.settings = dispatch_settings(recipe.rollout)
 
     def generate(
         self,
@@ -180,6 +176,16 @@ class RolloutStage:
             rows, order = declared_groups(prompts, r.group_size)
             return self.generate(rows, temperature=r.temperature, order=order)
         return self.generate([p for p in prompts for _ in range(r.group_size)], temperature=r.temperature)
+
+
+def dispatch_settings(section: RolloutSection) -> RolloutSettings:
+    """The rollout client's settings from the recipe's ``rollout`` section."""
+    return RolloutSettings(
+        max_in_flight=section.max_in_flight,
+        max_attempts=section.max_attempts,
+        timeout_s=section.timeout_s,
+        follower_delay_s=section.follower_delay_ms / 1000,
+    )
 
 
 def declared_groups(

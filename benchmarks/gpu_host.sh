@@ -49,11 +49,10 @@
 #              Gym replicas, with vLLM's offline step budget (a server of its own with
 #              --max-num-batched-tokens 16384, and direct on it), direct and stock, each whole batch
 #              timed three times (the median run reported)
-#   rollout_servers  ours as the one-GPU recipes run it (declared groups, eight Gym replicas), with each
-#              group's later samples posted 150 ms after its first (rollout.follower_delay_ms), with
-#              four vLLM API servers (each group now reaches vLLM as one request, which is what four
-#              API servers need to gain: their clip processing runs in parallel); direct and stock on
-#              each server; each whole batch timed three times (the median run reported)
+#   rollout_servers  ours as the one-GPU recipes run it (declared groups, eight Gym replicas, four vLLM
+#              API servers), with each group's later samples posted 150 ms after its first
+#              (rollout.follower_delay_ms), with one API server; direct and stock; each whole batch
+#              timed three times (the median run reported). About 8 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -170,7 +169,7 @@ for name in "${jobs[@]}"; do
       --repeats 3 --variant "window: rollout.declare_groups=false" --variant "w4: rollout.gym_workers=4" \
       --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --json "$out/rollout_declared.json" ;;
     rollout_servers) job rollout_servers 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
-      --repeats 3 --variant "follow: rollout.follower_delay_ms=150" --variant "as4: model.vllm_api_servers=4" \
+      --repeats 3 --variant "follow: rollout.follower_delay_ms=150" --variant "as1: model.vllm_api_servers=1" \
       --json "$out/rollout_servers.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \

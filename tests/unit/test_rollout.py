@@ -166,7 +166,8 @@ def test_a_groups_later_samples_are_posted_after_the_follower_delay_its_first_at
     rows, order = declared_groups(prompts, 3)
     rows = [{**row, "id": f"{index}"} for index, row in enumerate(rows)]
     started = time.monotonic()
-    _, stats = collect_rollouts(url, rows, RolloutSettings(max_in_flight=12, follower_delay_s=0.4), order=order)
+    settings = RolloutSettings(max_in_flight=12, follower_delay_s=0.4)
+    _, stats = collect_rollouts(url, rows, settings, order=order)
     assert stats.outcomes == {"ok": len(rows)}
     leaders, followers = {str(i) for i in order[:4]}, {str(i) for i in order[4:]}
     assert leaders == {"0", "3", "6", "9"}

@@ -1022,6 +1022,42 @@ def main() -> int:
                 "environment's python (docs/INSTALL.md), or run --configs stock"
             )
     variants = [parse_variant(text) for text in args.variant]
+    def write_report(results: dict[str, Any], *, complete: bool) -> None:
+        """Every figure so far into ``--json``: after each configuration too (``complete``: false),
+        so that a run stopped by a time limit keeps what it measured."""
+        if not args.json:
+            return
+        report = {
+            "command": command,
+            "host": host_info(),
+            "configuration": {
+                "recipe": args.recipe,
+                "overrides": args.overrides,
+                "model_dir": str(data.model_dir),
+                "model_dtype": recipe.model.dtype,
+                "max_model_len": recipe.model.max_model_len,
+                "prompts": len(prompts),
+                "group_size": recipe.rollout.group_size,
+                "samples": len(rows),
+                "seed_samples": len(subset),
+                "variants": dict(variants),
+                "max_output_tokens": recipe.rollout.max_output_tokens,
+                "temperature": recipe.rollout.temperature,
+                "frames_per_clip": recipe.task.num_frames,
+                "clip_size": [recipe.task.width, recipe.task.height],
+                "prompt_task_ids": [p["task_id"] for p in prompts],
+                "warmup_task_id": warm_row["task_id"],
+                "seed_args": ["--enforce-eager", *SEED_ARGS],
+                "prepare_task_s": prepare_s,
+            },
+            "results": results,
+            "ratios": ratios(results),
+            "ratio_note": "per-sample wall-time ratios, other / ours (above 1: ours is faster)",
+            "complete": complete,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
     results: dict[str, Any] = {}
     fallback = 0
     for name in configs:
@@ -1050,6 +1086,7 @@ def main() -> int:
                     except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
                         traceback.print_exc()
                         results[own[0].name] = {"error": f"{type(error).__name__}: {error}"}
+                    write_report(results, complete=False)
             elif name == "direct":
                 if "ours" not in configs:
                     phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]
@@ -1069,6 +1106,7 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (one configuration's failure must not lose the others)
             traceback.print_exc()
             results[name] = {"error": f"{type(error).__name__}: {error}"}
+        write_report(results, complete=False)
 
     print()
     for line in table(results):
@@ -1090,36 +1128,8 @@ def main() -> int:
             cpu = results.get(name, {}).get(label, {}).get("cpu_by_process")
             if cpu:
                 print(f"{name} {label}: {cpu_line(cpu)}")
-    report = {
-        "command": command,
-        "host": host_info(),
-        "configuration": {
-            "recipe": args.recipe,
-            "overrides": args.overrides,
-            "model_dir": str(data.model_dir),
-            "model_dtype": recipe.model.dtype,
-            "max_model_len": recipe.model.max_model_len,
-            "prompts": len(prompts),
-            "group_size": recipe.rollout.group_size,
-            "samples": len(rows),
-            "seed_samples": len(subset),
-            "variants": dict(variants),
-            "max_output_tokens": recipe.rollout.max_output_tokens,
-            "temperature": recipe.rollout.temperature,
-            "frames_per_clip": recipe.task.num_frames,
-            "clip_size": [recipe.task.width, recipe.task.height],
-            "prompt_task_ids": [p["task_id"] for p in prompts],
-            "warmup_task_id": warm_row["task_id"],
-            "seed_args": ["--enforce-eager", *SEED_ARGS],
-            "prepare_task_s": prepare_s,
-        },
-        "results": results,
-        "ratios": found,
-        "ratio_note": "per-sample wall-time ratios, other / ours (above 1: ours is faster)",
-    }
+    write_report(results, complete=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     failed = [name for name, result in results.items() if "error" in result]
     return 1 if failed else 0

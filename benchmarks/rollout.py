@@ -867,7 +867,17 @@ def host_info() -> dict[str, Any]:
         info["vllm"] = vllm.__version__
     except Exception as error:  # noqa: BLE001 (reported)
         info["vllm"] = f"not importable: {error}"
-    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:  # nvidia-smi, not torch.cuda: this process holds no CUDA context while vLLM runs
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.splitlines()
+        info["gpu"] = names[0].strip() if names else None
+    except (OSError, subprocess.SubprocessError):
+        info["gpu"] = None
     return info
 
 
@@ -1022,6 +1032,8 @@ def main() -> int:
                 "environment's python (docs/INSTALL.md), or run --configs stock"
             )
     variants = [parse_variant(text) for text in args.variant]
+    host = host_info()
+
     def write_report(results: dict[str, Any], *, complete: bool) -> None:
         """Every figure so far into ``--json``: after each configuration too (``complete``: false),
         so that a run stopped by a time limit keeps what it measured."""
@@ -1029,7 +1041,7 @@ def main() -> int:
             return
         report = {
             "command": command,
-            "host": host_info(),
+            "host": host,
             "configuration": {
                 "recipe": args.recipe,
                 "overrides": args.overrides,

@@ -10,6 +10,7 @@ YAML (``train.learning_rate=1e-3``, ``model.spec.text_num_layers=1``, ``task.nam
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -146,6 +147,12 @@ class ModelSection(_Section):
     request's processed video goes to the engine core in full even when the clip was sent before,
     so turn on ``rollout.coalesce_window_ms`` (a group's first turns as one request). Each process
     imports vLLM (host memory and start-up time per process)."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """Further ``vllm serve`` arguments for each generation server, after the ones the recipe sets,
+    as they are written on vLLM's command line (e.g. ``["--mm-tensor-ipc", "torch_shm"]``). A flag
+    the recipe sets through a field of its own (the model, dtype, context length, media, step
+    budget, API servers, sleep mode, weight transfer, ...) is refused, naming that field: the loop
+    relies on its value. vLLM checks the rest when it starts."""
     placement: Literal["split", "colocated"] = "split"
     """Where generation and training run (:func:`rl_bridge.placement.plan_placement`):
     ``"split"``: vLLM on ``vllm_gpus`` GPUs and the policy on ``policy_gpus`` other GPUs;
@@ -242,6 +249,10 @@ class ModelSection(_Section):
                 "model.family='nemotron_omni' needs model.video_contract: its frame count is a serving "
                 "setting, not part of the checkpoint (e.g. {style: nemotron_rounded, num_frames: 32})"
             )
+        for arg in self.vllm_args:
+            flag = arg.partition("=")[0].replace("_", "-")
+            if owner := _RECIPE_VLLM_FLAGS.get(re.sub(r"^--no-", "--", flag)):
+                raise ValueError(f"model.vllm_args: {arg!r} is set by the recipe ({owner}); set that instead")
         if (self.vllm_gpus == 0) != (self.policy_gpus == 0):
             raise ValueError(
                 f"model.vllm_gpus={self.vllm_gpus} and model.policy_gpus={self.policy_gpus}: "
@@ -301,6 +312,36 @@ class ModelSection(_Section):
 
 # vLLM's tool-call parser for each family's chat template (others must set model.tool_call_parser).
 _TOOL_CALL_PARSERS: dict[str, str] = {"qwen2_5_vl": "hermes", "qwen3_vl": "hermes"}
+#: ``vllm serve`` flags the recipe sets itself (``rl_bridge.backends.vllm_servers.vllm_config``), with
+#: what sets them: ``model.vllm_args`` may not repeat them.
+_RECIPE_VLLM_FLAGS: dict[str, str] = {
+    "--model": "model.path",
+    "--served-model-name": "model.path",
+    "--host": "the run (loopback)",
+    "--port": "the run (a free port)",
+    "--dtype": "model.dtype",
+    "--max-model-len": "model.max_model_len",
+    "--seed": "seed",
+    "--limit-mm-per-prompt": "task (its videos and images per prompt)",
+    "--api-server-count": "model.vllm_api_servers",
+    "--enforce-eager": "model.vllm_enforce_eager",
+    "--load-format": "the run (this package's model loader)",
+    "--model-loader-extra-config": "model.video_contract",
+    "--media-io-kwargs": "model.video_contract",
+    "--allowed-local-media-path": "the run (its media root)",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--logprobs-mode": "the run (processed logprobs, what the policy is trained on)",
+    "--enable-auto-tool-choice": "model.tool_call_parser",
+    "--tool-call-parser": "model.tool_call_parser",
+    "--structured-outputs-config": "rollout.constrain_actions",
+    "--weight-transfer-config": "refit.transport",
+    "--tensor-parallel-size": "model.vllm_tensor_parallel_size",
+    "-tp": "model.vllm_tensor_parallel_size",
+    "--gpu-memory-utilization": "model.vllm_gpu_memory_utilization",
+    "--enable-sleep-mode": "model.placement",
+    "--max-num-batched-tokens": "model.vllm_max_num_batched_tokens",
+    "--renderer-num-workers": "model.vllm_renderer_workers",
+}
 
 EXPORT_DIR = "export"
 """Where in ``run_dir`` a finished run writes its weights as an HF checkpoint."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pydantic
@@ -263,6 +264,54 @@ def test_api_servers_reach_the_server_command(tiny_qwen25vl: Path, tmp_path: Pat
     assert "--api-server-count" not in server_argv(vllm_config(load_recipe(None, []), data), port=8000)
     argv = server_argv(vllm_config(load_recipe(None, ["model.vllm_api_servers=3"]), data), port=8000)
     assert argv[argv.index("--api-server-count") + 1] == "3"
+
+
+def test_further_vllm_args_come_last(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    from rl_bridge.backends.vllm_servers import vllm_config
+    from rl_bridge.services.vllm_server import server_argv
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    recipe = load_recipe(None, ["model.vllm_args=[--mm-tensor-ipc, torch_shm, --stream-interval=4]"])
+    argv = server_argv(vllm_config(recipe, data), port=8000)
+    assert argv[-3:] == ["--mm-tensor-ipc", "torch_shm", "--stream-interval=4"]
+
+
+@pytest.mark.parametrize(
+    ("arg", "owner"),
+    [
+        ("--max-num-batched-tokens", "model.vllm_max_num_batched_tokens"),
+        ("--max_num_batched_tokens=16384", "model.vllm_max_num_batched_tokens"),
+        ("--no-enable-sleep-mode", "model.placement"),
+        ("--api-server-count=2", "model.vllm_api_servers"),
+        ("--logprobs-mode", "processed logprobs"),
+    ],
+)
+def test_further_vllm_args_may_not_repeat_the_recipe_s(arg: str, owner: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=re.escape(owner)):
+        load_recipe(None, [f"model.vllm_args=[{arg}]"])
+
+
+def test_the_recipe_s_own_vllm_flags_are_all_known(tiny_qwen25vl: Path, tmp_path: Path) -> None:
+    """Every flag the recipe puts on vLLM's command line is one ``model.vllm_args`` may not repeat."""
+    from rl_bridge.backends.vllm_servers import vllm_config
+    from rl_bridge.recipe import _RECIPE_VLLM_FLAGS
+    from rl_bridge.services.vllm_server import server_argv
+
+    data = _task_data(tiny_qwen25vl, tmp_path)
+    overrides = [
+        "model.vllm_gpus=1",
+        "model.policy_gpus=1",
+        "model.placement=colocated",
+        "model.vllm_tensor_parallel_size=1",
+        "model.vllm_max_num_batched_tokens=8192",
+        "model.vllm_api_servers=2",
+        "model.trust_remote_code=true",
+        "model.vllm_enforce_eager=true",
+    ]
+    argv = server_argv(vllm_config(load_recipe(None, overrides), data), port=8000)
+    flags = {arg for arg in argv[2:] if arg.startswith("-")}  # after `python -m`
+    assert flags - set(_RECIPE_VLLM_FLAGS) == set()
+    assert {"--api-server-count", "--max-num-batched-tokens", "--enable-sleep-mode"} <= flags
 
 
 def test_a_nemotron_recipe_needs_a_video_contract() -> None:

@@ -30,7 +30,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     structured-outputs backend the trainer replays; colocated on GPUs, sleep mode; with
     ``model.vllm_max_num_batched_tokens``, that step budget; with
     ``model.vllm_renderer_workers``, that many renderer threads and no processor cache; with
-    ``model.vllm_api_servers``, that many API server processes; on CPU with one
+    ``model.vllm_api_servers``, that many API server processes; ``model.vllm_args`` last; on CPU with one
     worker, the worker inside the engine-core process (one process fewer importing vLLM; the cost:
     docs/ARCHITECTURE.md).
     """
@@ -52,6 +52,7 @@ def vllm_config(recipe: Recipe, data: TaskData) -> VLLMServerConfig:
     if model.vllm_renderer_workers > 1:  # vLLM refuses several renderer threads with its processor cache
         extra_args += ["--renderer-num-workers", str(model.vllm_renderer_workers)]
         extra_args += ["--mm-processor-cache-gb", "0"]
+    extra_args += model.vllm_args
     return VLLMServerConfig(
         model=data.model_dir,
         load_format=MODEL_LOADER_NAME,

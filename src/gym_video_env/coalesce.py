@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -62,6 +63,8 @@ __all__ = [
     "split_choices",
     "without_group",
 ]
+
+logger = logging.getLogger(__name__)
 
 SPREAD_BOUNDS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 """Upper bounds (seconds) of the arrival-spread and lateness buckets in :meth:`CoalescingClient.stats`."""
@@ -94,16 +97,21 @@ def without_group(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _declared_group(body: dict[str, Any]) -> tuple[dict[str, Any], str | None, int]:
-    """``body`` without the group declaration, the declaring ``"<id>:<size>"`` (``None``: none or
-    malformed, left out either way) and the size (1 without one)."""
+    """``body`` without the group declaration, the declaring ``"<id>:<size>"`` (``None``: none)
+    and the size (1 without one).
+
+    Raises:
+        ValueError: the declaration is not ``"<id>:<size>"`` with a size of at least 1 (the message
+            names it); the caller sends the request undeclared and counts it.
+    """
     metadata = body.get("metadata")
     if not isinstance(metadata, dict) or GROUP_METADATA_KEY not in metadata:
         return body, None, 1
-    stripped = without_group(body)
-    group, _, size = str(metadata[GROUP_METADATA_KEY]).rpartition(":")
+    declared = metadata[GROUP_METADATA_KEY]
+    group, _, size = str(declared).rpartition(":")
     if not group or not size.isdigit() or int(size) < 1:
-        return stripped, None, 1
-    return stripped, metadata[GROUP_METADATA_KEY], int(size)
+        raise ValueError(f"metadata {GROUP_METADATA_KEY}={declared!r} is not '<group id>:<size>' (size >= 1)")
+    return without_group(body), declared, int(size)
 
 
 @dataclass
@@ -188,6 +196,7 @@ class CoalescingClient:
         self._group_requests = 0
         self._group_callers = 0
         self._unclaimed = 0
+        self._malformed = 0
 
     def __getattr__(self, name: str) -> Any:
         if name == "_client":  # not set yet
@@ -209,7 +218,13 @@ class CoalescingClient:
             setattr(self._client, name, value)
 
     async def create_chat_completion(self, **body: Any) -> dict[str, Any]:
-        body, group, size = _declared_group(body)
+        try:
+            body, group, size = _declared_group(body)
+        except ValueError as error:  # the sample goes on undeclared: counted, and said once
+            if not self._malformed:
+                logger.warning("%s: such requests go to vLLM undeclared (counted in stats)", error)
+            self._malformed += 1
+            body, group, size = without_group(body), None, 1
         if body.get("n", 1) != 1 or body.get("seed") is not None or body.get("stream") or _later_turn(body):
             return await self._send(**body)
         if group is not None and size > 1:
@@ -324,7 +339,8 @@ class CoalescingClient:
         request went to vLLM and when its answer (or failure) came back (declared groups' too);
         ``group_requests``, ``group_callers``: requests sent for declared groups and the callers
         they answered; ``group_choices_unclaimed``: choices of declared groups that no caller
-        claimed within ``claim_horizon_s`` (generated for nothing).
+        claimed within ``claim_horizon_s`` (generated for nothing); ``group_declarations_malformed``:
+        requests whose declaration was not ``"<group id>:<size>"``, sent undeclared.
         """
         bounds = [*(f"{bound:g}" for bound in SPREAD_BOUNDS_S), "inf"]
         return {
@@ -338,6 +354,7 @@ class CoalescingClient:
             "group_requests": self._group_requests,
             "group_callers": self._group_callers,
             "group_choices_unclaimed": self._unclaimed,
+            "group_declarations_malformed": self._malformed,
         }
 
     async def _send_batch(self, batch: _Batch) -> None:

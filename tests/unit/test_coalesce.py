@@ -4,6 +4,7 @@ with ``n``, each caller gets one choice; others pass through; a failure reaches 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -299,6 +300,23 @@ def test_a_declared_group_goes_with_its_first_caller_and_later_callers_take_the_
     assert (stats["group_requests"], stats["group_callers"], stats["group_choices_unclaimed"]) == (1, 4, 0)
     assert stats["requests_sent"] == 0 and client._groups == {}
     assert [n for _, _, n in stats["sends"]] == [4]
+
+
+@pytest.mark.parametrize("declared", ["g1", "g1:0", ":4", "g1:four", 7])
+def test_a_malformed_declaration_goes_undeclared_counted_and_said_once(
+    declared: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    inner = RecordingClient()
+    client = CoalescingClient(inner, window_s=0.0)
+    body = _body(metadata={GROUP_METADATA_KEY: declared})
+    with caplog.at_level(logging.WARNING, logger="gym_video_env.coalesce"):
+        asyncio.run(asyncio.wait_for(_gather(client, [body, body]), timeout=5))
+    assert [sent.get("n", 1) for sent in inner.bodies] == [1, 1]
+    assert all("metadata" not in sent for sent in inner.bodies), "the declaration does not reach vLLM"
+    stats = client.stats()
+    assert (stats["group_declarations_malformed"], stats["group_requests"]) == (2, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and repr(declared) in warnings[0]
 
 
 def test_declared_groups_are_told_apart_by_id_and_a_caller_beyond_the_size_opens_a_new_request() -> None:

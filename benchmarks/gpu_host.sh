@@ -53,6 +53,10 @@
 #              API servers), with each group's later samples posted 150 ms after its first
 #              (rollout.follower_delay_ms), with one API server; direct and stock; each whole batch
 #              timed three times (the median run reported). About 8 minutes after the install
+#   rollout_budget  stock first, then ours as the one-GPU recipes run it, at vLLM's offline step
+#              budget (a server of its own with --max-num-batched-tokens 16384) and with torch_shm
+#              multimodal tensor IPC (model.vllm_args), direct on each server; each whole batch timed
+#              five times (the median run reported). About 11 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -171,6 +175,9 @@ for name in "${jobs[@]}"; do
     rollout_servers) job rollout_servers 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --repeats 3 --variant "follow: rollout.follower_delay_ms=150" --variant "as1: model.vllm_api_servers=1" \
       --json "$out/rollout_servers.json" ;;
+    rollout_budget) job rollout_budget 900 "$py" benchmarks/rollout.py --configs stock,ours,direct \
+      --repeats 5 --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" \
+      --variant "shm: model.vllm_args=[--mm-tensor-ipc,torch_shm]" --json "$out/rollout_budget.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;

@@ -130,7 +130,8 @@ class ModelSection(_Section):
     and decodes), which also bounds the vision encoder's tokens a step. ``None``: vLLM's default
     for a server, which on an H100 or H200 is half its offline default (8,192 against ``LLM``'s
     16,384: vLLM sizes a server for latency, its offline engine for throughput, and a rollout is a
-    batch). 16,384 prefills 16 distinct prompts of 1,189 tokens in two steps instead of three."""
+    batch). 16,384 prefills 16 distinct prompts of 1,189 tokens in two steps instead of three; on an
+    H100 it did not make the one-GPU recipes' rollout faster (``docs/GPU_RUNS.md``)."""
     vllm_renderer_workers: PositiveInt = 1
     """Threads of vLLM's renderer (``--renderer-num-workers``): the chat template and the multimodal
     processor of concurrent requests run on that many threads instead of one. vLLM allows more than

@@ -39,7 +39,10 @@ figure):
   PyAV decoding is reported apart. It runs in a child process (``--stock-worker``), so no CUDA
   context outlives it.
 
-Each server configuration warms up on one untimed group of another row first. Between timed
+Each server configuration warms up on one untimed group of another row first. With ``--repeats``
+the configurations sharing a vLLM server (ours, its Gym-side variants, direct; their Gym servers all
+up) are timed in rounds, each batch once a round, and so are stock's two samplings: a host that
+drifts during the run shifts each of them alike, and each batch reports its median run. Between timed
 batches on one server the prefix, encoder and multimodal caches are reset (dev-mode endpoints), so
 every batch starts cold as a new step's prompts do (this package's decode cache in the API server
 is not reset: the subset's clips are decoded once more for the whole batch only if evicted).
@@ -539,18 +542,11 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def run_phase(
-    phase: Phase,
-    server: Any,
-    data: Any,
-    warmup: list[dict[str, Any]],
-    log_dir: Path,
-    stack: ExitStack,
-    repeats: int = 1,
-) -> dict[str, Any]:
-    """Start ``phase``'s Gym servers (none for a direct phase) against ``server``, warm up on one
-    untimed group, time each batch from cold caches (``full`` and ``grouped`` ``repeats`` times,
-    keeping the median run: :func:`median_run`); the Gym servers stop with ``stack``."""
+def start_phase(
+    phase: Phase, server: Any, data: Any, warmup: list[dict[str, Any]], log_dir: Path, stack: ExitStack
+) -> tuple[Callable[..., dict[str, Any]], dict[str, Any]]:
+    """Start ``phase``'s Gym servers (none for a direct phase) against ``server`` (they stop with
+    ``stack``) and warm up on one untimed group: the phase's batch timer and its start figures."""
     from rl_bridge.paths import project_root
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.tasks import MODEL_SERVER
@@ -579,18 +575,57 @@ def run_phase(
     warm = time_batch(warmup)
     out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
     print(f"[{phase.name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
-    for label, rows in phase.batches.items():
-        runs = []
-        for _ in range(repeats if label != "subset" else 1):
-            out.setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-            runs.append(time_batch(rows, grouped=True) if label == "grouped" else time_batch(rows))
-        out[label] = result = median_run(runs)
+    return time_batch, out
+
+
+def run_phases(
+    phases: list[Phase],
+    server: Any,
+    data: Any,
+    warmup: list[dict[str, Any]],
+    log_dir: Path,
+    stack: ExitStack,
+    repeats: int = 1,
+) -> dict[str, dict[str, Any]]:
+    """Start every phase on ``server`` (:func:`start_phase`; all their Gym servers up together, idle
+    but for the phase being timed), then time each phase's batches from cold caches, interleaved:
+    each of ``repeats`` rounds times every phase's ``full`` and ``grouped`` batches once, in turn
+    (``subset`` only in the first), so that a host drifting during the run shifts every phase alike;
+    each batch's median run (:func:`median_run`). A phase that fails to start or to time ends with
+    its error; the others go on."""
+    timers: dict[str, Callable[..., dict[str, Any]]] = {}
+    outs: dict[str, dict[str, Any]] = {}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for phase in phases:
+        try:
+            timers[phase.name], outs[phase.name] = start_phase(phase, server, data, warmup, log_dir, stack)
+        except Exception as error:  # noqa: BLE001 (one phase's failure must not lose the others)
+            traceback.print_exc()
+            outs[phase.name] = {"error": f"{type(error).__name__}: {error}"}
+    for round_ in range(repeats):
+        for phase in phases:
+            if phase.name not in timers or "error" in outs[phase.name]:
+                continue
+            for label, rows in phase.batches.items():
+                if label == "subset" and round_:
+                    continue
+                try:
+                    outs[phase.name].setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
+                    timer = timers[phase.name]
+                    run = timer(rows, grouped=True) if label == "grouped" else timer(rows)
+                except Exception as error:  # noqa: BLE001
+                    traceback.print_exc()
+                    outs[phase.name]["error"] = f"{label}: {type(error).__name__}: {error}"
+                    break
+                runs.setdefault((phase.name, label), []).append(run)
+    for (name, label), timed in runs.items():
+        outs[name][label] = result = median_run(timed)
         for line in batch_report(label, result):
-            print(f"[{phase.name}] {line}", flush=True)
+            print(f"[{name}] {line}", flush=True)
         if result["ok"] < result["samples"]:
             failed = result["samples"] - result["ok"]
-            out["error"] = f"{label}: {failed} of {result['samples']} samples failed"
-    return out
+            outs[name].setdefault("error", f"{label}: {failed} of {result['samples']} samples failed")
+    return outs
 
 
 def run_server_config(
@@ -637,16 +672,12 @@ def run_server_config(
                 log_dir=str(log_dir),
             )
             print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s", flush=True)
+            with ExitStack() as gym_stack:
+                outs = run_phases(phases, server, data, warmup, log_dir, gym_stack, repeats)
             results: dict[str, dict[str, Any]] = {}
             for phase in phases:
-                with ExitStack() as gym_stack:
-                    try:
-                        out = run_phase(phase, server, data, warmup, log_dir, gym_stack, repeats)
-                    except Exception as error:  # noqa: BLE001 (one phase's failure must not lose the others)
-                        traceback.print_exc()
-                        out = {"error": f"{type(error).__name__}: {error}"}
                 shared = {"server_of": phases[0].name} if results else start
-                results[phase.name] = {**shared, **out}
+                results[phase.name] = {**shared, **outs[phase.name]}
             return results
     start["error"] = "vLLM did not start with any fallback (see start_failures)"
     return {phase.name: start for phase in phases}
@@ -766,6 +797,7 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     out["startup_s"] = time.perf_counter() - started
     r = recipe.rollout
     support = data.token_support(recipe)
+    samplings: dict[str, tuple[Any, str]] = {}
     for label, logprobs in (("full", None), ("full_logprobs", 0)):
         params = SamplingParams(
             n=r.group_size,
@@ -783,13 +815,16 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         llm.generate(warm_inputs, params, use_tqdm=False)
         warm_s = time.perf_counter() - started
         out.setdefault("warmup", {})[label] = {"samples": r.group_size, "wall_s": warm_s}
-        runs = []
-        for _ in range(args.repeats):
+        samplings[label] = params, sampling
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):  # rounds of both samplings in turn, as ours' phases are timed
+        for label, (params, sampling) in samplings.items():
             llm.reset_prefix_cache()  # then the timed prompts from cold caches
             llm.reset_mm_cache()
             llm.llm_engine.reset_encoder_cache()
-            runs.append(timed_generate(llm, timed_inputs, params, sampling))
-        out[label] = median_run(runs)
+            runs.setdefault(label, []).append(timed_generate(llm, timed_inputs, params, sampling))
+    for label, timed in runs.items():
+        out[label] = median_run(timed)
     return out
 
 
@@ -984,7 +1019,8 @@ def main() -> int:
         type=int,
         default=1,
         help="time each whole batch (ours, its variants, direct, stock) this many times from cold "
-        "caches and report the median run, with every run's wall time (default 1)",
+        "caches and report the median run, with every run's wall time (default 1); the batches on "
+        "one vLLM server (and stock's two samplings) are timed in rounds, each once a round",
     )
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")

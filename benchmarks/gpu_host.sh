@@ -60,7 +60,8 @@
 #   rollout_vit  stock first, then ours as the one-GPU recipes run it, with the vision encoder's CUDA
 #              graphs (vLLM's compilation config cudagraph_mm_encoder, through model.vllm_args), with
 #              one API server; direct on each server; each whole batch timed five times (the median
-#              run reported). About 11 minutes after the install
+#              run reported), then one more under vLLM's profiler: how long the GPU was busy and idle
+#              in it (traces left on the host). About 13 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -184,7 +185,8 @@ for name in "${jobs[@]}"; do
       --variant "shm: model.vllm_args=[--mm-tensor-ipc,torch_shm]" --json "$out/rollout_budget.json" ;;
     rollout_vit) job rollout_vit 900 "$py" benchmarks/rollout.py --configs stock,ours,direct --repeats 5 \
       --variant "vitcg: model.vllm_args=[--compilation-config.cudagraph_mm_encoder=true]" \
-      --variant "as1: model.vllm_api_servers=1" --json "$out/rollout_vit.json" ;;
+      --variant "as1: model.vllm_api_servers=1" --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
+      --json "$out/rollout_vit.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;

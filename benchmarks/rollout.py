@@ -42,7 +42,11 @@ figure):
 Each server configuration warms up on one untimed group of another row first. With ``--repeats``
 the configurations sharing a vLLM server (ours, its Gym-side variants, direct; their Gym servers all
 up) are timed in rounds, each batch once a round, and so are stock's two samplings: a host that
-drifts during the run shifts each of them alike, and each batch reports its median run. Between timed
+drifts during the run shifts each of them alike, and each batch reports its median run. With
+``--profile DIR`` each configuration then runs one more batch under vLLM's torch profiler (the
+model worker's trace, through the server's ``/start_profile`` and ``/stop_profile`` or
+``LLM.start_profile``), reported apart: the GPU's busy time in it, its idle time between the first
+and last kernel and the longest idle stretches. Between timed
 batches on one server the prefix, encoder and multimodal caches are reset (dev-mode endpoints), so
 every batch starts cold as a new step's prompts do (this package's decode cache in the API server
 is not reset: the subset's clips are decoded once more for the whole batch only if evicted).

@@ -59,7 +59,8 @@
 #              five times (the median run reported). About 11 minutes after the install
 #   rollout_vit  stock first, then ours as the one-GPU recipes run it, with the vision encoder's CUDA
 #              graphs (vLLM's compilation config cudagraph_mm_encoder, through model.vllm_args), with
-#              one API server; direct on each server; each whole batch timed five times (the median
+#              one API server, with each group's samples dealt over the Gym replicas
+#              (rollout.spread_group_samples); direct on each server; each whole batch timed five times (the median
 #              run reported), then one more under vLLM's profiler: how long the GPU was busy and idle
 #              in it (traces left on the host). About 13 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
@@ -185,7 +186,8 @@ for name in "${jobs[@]}"; do
       --variant "shm: model.vllm_args=[--mm-tensor-ipc,torch_shm]" --json "$out/rollout_budget.json" ;;
     rollout_vit) job rollout_vit 900 "$py" benchmarks/rollout.py --configs stock,ours,direct --repeats 5 \
       --variant "vitcg: model.vllm_args=[--compilation-config.cudagraph_mm_encoder=true]" \
-      --variant "as1: model.vllm_api_servers=1" --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
+      --variant "as1: model.vllm_api_servers=1" --variant "spread: rollout.spread_group_samples=true" \
+      --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
       --json "$out/rollout_vit.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \

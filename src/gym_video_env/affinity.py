@@ -22,7 +22,13 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["pick", "prompt_key"]
+__all__ = ["MODEL_REPLICA_KEY", "pick", "prompt_key", "take_model_replica"]
+
+MODEL_REPLICA_KEY = "model_replica"
+"""Request ``metadata`` key naming, as a decimal string, the model-server replica (an index into
+the agent's ``[model_server, *model_servers]``) that all of a conversation's model calls go to,
+in place of the one its prompt picks: a rollout client that deals a group's samples over several
+agent replicas names the group's one model server this way."""
 
 _MODEL_TURN_TYPES = frozenset({"function_call", "reasoning"})
 
@@ -51,3 +57,22 @@ def pick(key: str, n: int) -> int:
         raise ValueError(f"pick: no servers to choose from (n={n})")
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % n
+
+
+def take_model_replica(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """A Responses request's fields without the :data:`MODEL_REPLICA_KEY` entry of its ``metadata``
+    (the ``metadata`` goes too when nothing else is left in it) and the replica it names
+    (``None``: none named).
+
+    Raises:
+        ValueError: the entry is not a decimal index (the message names it).
+    """
+    metadata = params.get("metadata")
+    if not isinstance(metadata, dict) or MODEL_REPLICA_KEY not in metadata:
+        return params, None
+    named = metadata[MODEL_REPLICA_KEY]
+    if not isinstance(named, str) or not named.isdecimal():
+        raise ValueError(f"metadata {MODEL_REPLICA_KEY}={named!r} is not a model-server replica index")
+    rest = {key: value for key, value in metadata.items() if key != MODEL_REPLICA_KEY}
+    stripped = {**params, "metadata": rest} if rest else {k: v for k, v in params.items() if k != "metadata"}
+    return stripped, int(named)

@@ -589,6 +589,13 @@ class RolloutSection(_Section):
     crosses the Gym servers without the other samples' requests queued beside it. The later
     samples only take their choices, so they may come later as long as they come before the
     answer. 0: every sample is posted at once."""
+    spread_group_samples: bool = False
+    """With ``gym_workers`` above 1: the rollout client deals each group's samples over the agent
+    replicas (the k-th to the k-th replica from the group's), each request naming the group's
+    model-server replica, which every agent can reach; the group still meets in one model server,
+    while its samples' agent and verifier work, after vLLM's answer, runs in several processes
+    instead of queueing in one. ``False``: a group's samples all take its replica's agent and
+    verifier."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;
@@ -613,6 +620,11 @@ class RolloutSection(_Section):
                 f"rollout.follower_delay_ms={self.follower_delay_ms} needs rollout.declare_groups: "
                 "without declared groups a group's first turns go to vLLM when they meet, and held "
                 "samples would split the group"
+            )
+        if self.spread_group_samples and self.gym_workers < 2:
+            raise ValueError(
+                "rollout.spread_group_samples deals a group's samples over the Gym replicas: it needs "
+                f"rollout.gym_workers >= 2 (it is {self.gym_workers})"
             )
         return self
 

@@ -56,7 +56,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from gym_video_env.affinity import pick
+from gym_video_env.affinity import MODEL_REPLICA_KEY, pick
 from gym_video_env.coalesce import without_group
 from rl_bridge.services.supervisor import Dispatch, InputCrashedServer
 
@@ -116,6 +116,12 @@ class RolloutSettings:
     """A row whose prompt an earlier row in dispatch order already has (a group's later samples)
     is first posted this long after the call starts; 0: at once. Every group's first sample then
     travels through the Gym servers alone, ahead of the others' requests."""
+    spread_group_samples: bool = False
+    """With several agent replicas, deal each prompt's rows over them in dispatch order, starting at
+    the prompt's replica, each row naming that replica's model server
+    (``gym_video_env.affinity.MODEL_REPLICA_KEY``), so the group still meets in one model server
+    while its samples' agent and verifier work runs in several processes. ``False``: all of a
+    prompt's rows go to its replica."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_attempts < 1:
@@ -244,6 +250,13 @@ def prompt_key(row: Mapping[str, Any]) -> str:
     return hashlib.blake2b(encoded, digest_size=12).hexdigest()
 
 
+def _naming_replica(row: Mapping[str, Any], replica: int) -> dict[str, Any]:
+    """``row`` with its request naming model-server replica ``replica`` in its ``metadata``."""
+    params = dict(row.get("responses_create_params") or {})
+    params["metadata"] = {**(params.get("metadata") or {}), MODEL_REPLICA_KEY: str(replica)}
+    return {**row, "responses_create_params": params}
+
+
 def spread_prompts(keys: Sequence[str], n: int) -> dict[str, int]:
     """A replica in ``range(n)`` for each distinct prompt key, dealt out in the order the keys first
     come: the first prompt to the replica its key picks (:func:`gym_video_env.affinity.pick`), each
@@ -350,6 +363,14 @@ def collect_rollouts(
     keys = [prompt_key(row) for row in rows]
     replicas = spread_prompts([keys[index] for index in dispatch_order], len(run_urls))
     leaders = {keys[index]: index for index in reversed(dispatch_order)}  # each prompt's first row
+    targets = {index: (replicas[keys[index]], rows[index]) for index in dispatch_order}
+    if settings.spread_group_samples and len(run_urls) > 1:
+        dealt: Counter[str] = Counter()
+        for index in dispatch_order:  # a prompt's k-th row to the k-th replica from the prompt's
+            key = keys[index]
+            replica = (replicas[key] + dealt[key]) % len(run_urls)
+            targets[index] = replica, _naming_replica(rows[index], replicas[key])
+            dealt[key] += 1
     stats = RolloutStats(rows=len(rows), started_at=time.time())
     started = time.monotonic()
     first_generation = supervisor.generation if supervisor is not None else 0
@@ -363,7 +384,8 @@ def collect_rollouts(
         error = ""
         attempts = redispatches = 0
         key = keys[index]
-        url = run_urls[replicas[key]]
+        replica, row = targets[index]
+        url = run_urls[replica]
         loop = asyncio.get_running_loop()
         if settings.follower_delay_s > 0 and leaders[key] != index:
             await asyncio.sleep(settings.follower_delay_s)
@@ -372,7 +394,7 @@ def collect_rollouts(
                 try:
                     async with _dispatched(supervisor, key, blocking) as held:
                         try:
-                            result = await _run_once(session, url, rows[index])
+                            result = await _run_once(session, url, row)
                         except _ContentError as failure:
                             error = str(failure)
                             return RolloutResult(

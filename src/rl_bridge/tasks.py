@@ -177,7 +177,9 @@ class TaskData:
         (``rl_bridge.rollout.spread_prompts``), so a group's samples stay in one process of each
         server all the way, and its first turns reach the model server together. (uvicorn workers
         sharing a port take connections whichever is free: a group's samples would wait in
-        different queues.)
+        different queues.) With ``rollout.spread_group_samples`` every agent replica lists every
+        model replica, and a group's samples take several agent and resources replicas, each
+        request naming the group's model replica.
 
         The model server is the project's ``video_vllm_model`` (which sends ``allowed_token_ids``
         with every request when sampling is restricted to the option letters; media in tool
@@ -247,12 +249,17 @@ class TaskData:
             GymServerSpec(_replica(name, i), "resources_servers", name, resources_fields)
             for i in range(workers)
         ]
+        if recipe.rollout.spread_group_samples:  # every agent reaches every model replica, by index
+            every = {"model_server": models[0].ref(), "model_servers": [model.ref() for model in models[1:]]}
+            routes = [every] * workers
+        else:
+            routes = [{"model_server": models[i].ref()} for i in range(workers)]
         agents = [
             GymServerSpec(
                 _replica(AGENT_SERVER, i),
                 "responses_api_agents",
                 "video_tools_agent",
-                {"resources_server": resources[i].ref(), "model_server": models[i].ref(), **agent_fields},
+                {"resources_server": resources[i].ref(), **routes[i], **agent_fields},
             )
             for i in range(workers)
         ]

@@ -17,6 +17,7 @@ run's own server specs (``TaskData.gym_specs``):
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import psutil
 import pytest
 import requests
 
-from rl_bridge.loop.stages.rollout import declared_groups, with_sampling
+from rl_bridge.loop.stages.rollout import declared_groups, dispatch_settings, with_sampling
 from rl_bridge.paths import project_root
 from rl_bridge.recipe import load_recipe
 from rl_bridge.rollout import RolloutSettings, collect_rollouts
@@ -232,6 +233,48 @@ def test_a_declared_group_goes_to_vllm_with_its_first_sample_and_the_rest_take_i
         "group_choices_unclaimed": 0,
         "requests_sent": 0,
     }
+
+
+def test_with_spread_group_samples_a_groups_samples_take_several_agents_and_still_meet_in_one_model(
+    tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
+) -> None:
+    """``rollout.spread_group_samples``: every agent replica reaches every model replica, and each
+    request names its group's; the groups still reach vLLM as one request each."""
+    overrides = [
+        "rollout.declare_groups=true",
+        "rollout.spread_group_samples=true",
+        f"rollout.group_size={GROUP}",
+        f"rollout.gym_workers={WORKERS}",
+    ]
+    recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=3, seed=3)
+    rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
+    specs, agents = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+    models = _replicas(MODEL_SERVER, WORKERS)
+    by_name = {spec.name: spec for spec in specs}
+    for agent in agents:
+        fields = by_name[agent].fields
+        assert [fields["model_server"]["name"], *(ref["name"] for ref in fields["model_servers"])] == models
+
+    settings = dispatch_settings(recipe.rollout)
+    assert settings.spread_group_samples
+    with start_gym_servers(
+        specs, run_dir=tmp_path / "gym", extra_roots=[project_root() / "src"], timeout_s=600
+    ) as gym:
+        before = _chat_completion_calls(vllm_server)
+        results, stats = collect_rollouts([gym.url(agent) for agent in agents], rows, settings, order=order)
+        calls = _chat_completion_calls(vllm_server) - before
+        counters = [requests.get(f"{gym.url(name)}/coalescing", timeout=30).json() for name in models]
+
+    assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
+    assert calls == len(prompts), f"each group went to vLLM once; vLLM answered {calls:.0f}"
+    totals = {key: sum(c[key] for c in counters) for key in ("group_requests", "group_choices_unclaimed")}
+    assert totals == {"group_requests": len(prompts), "group_choices_unclaimed": 0}
+    for result in results:
+        params = result.result["responses_create_params"]
+        assert "model_replica" not in json.dumps(result.result["response"]), "the agent takes the name out of the model call"
+        assert params["metadata"]["model_replica"] in {"0", "1"}
 
 
 def test_with_several_vllm_servers_coalescing_sends_each_group_to_one(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gym_video_env.affinity import pick
+from gym_video_env.affinity import MODEL_REPLICA_KEY, pick, take_model_replica
 from gym_video_env.coalesce import GROUP_METADATA_KEY
 from rl_bridge.loop.stages.rollout import declared_groups
 from rl_bridge.rollout import RolloutSettings, collect_rollouts, prompt_key, spread_prompts
@@ -69,7 +69,10 @@ def _serve_agent() -> Iterator[tuple[str, _Agent]]:
             status = plan[min(attempt, len(plan) - 1)]
             body = json.dumps({**row, "reward": 1.0} if status == 200 else {"error": "x"}).encode()
             if status == 298:  # an episode the policy made fail, scored by the agent
-                status, body = 200, json.dumps({**row, "reward": 0.0, "policy_fault": "context_overflow"}).encode()
+                status, body = (
+                    200,
+                    json.dumps({**row, "reward": 0.0, "policy_fault": "context_overflow"}).encode(),
+                )
             if status == 299:  # a 200 without a reward
                 status, body = 200, b'{"response": {}}'
             if status == 599:  # Gym's agent quoting an inner server's client error
@@ -158,6 +161,54 @@ def test_declared_groups_post_every_groups_first_sample_first_each_group_to_one_
         collect_rollouts([url_a], rows, order=[0, 0])
 
 
+def test_spread_group_samples_deals_a_groups_samples_over_the_replicas_naming_its_model_replica() -> None:
+    prompts = [{"plan": [200], "responses_create_params": {"input": f"prompt {i}"}} for i in range(4)]
+    rows, order = declared_groups(prompts, 4)
+    rows = [{**row, "id": f"{index}"} for index, row in enumerate(rows)]
+    keys = [prompt_key(row) for row in rows]
+    settings = RolloutSettings(max_in_flight=16, spread_group_samples=True)
+    with (
+        _serve_agent() as (url_a, state_a),
+        _serve_agent() as (url_b, state_b),
+        _serve_agent() as (url_c, state_c),
+    ):
+        results, stats = collect_rollouts([url_a, url_b, url_c], rows, settings, order=order)
+    assert stats.outcomes == {"ok": len(rows)}
+    states = (state_a, state_b, state_c)
+    replicas = spread_prompts([keys[i] for i in order], 3)
+    for group in range(4):
+        home = replicas[keys[group * 4]]
+        took = [
+            next(r for r, state in enumerate(states) if str(group * 4 + s) in state.attempts)
+            for s in range(4)
+        ]
+        assert took == [(home + s) % 3 for s in range(4)], (
+            "the k-th sample to the k-th replica from the group's"
+        )
+        for sample in range(4):
+            params = results[group * 4 + sample].result["responses_create_params"]
+            assert params["metadata"][MODEL_REPLICA_KEY] == str(home), "every sample names the group's model"
+            assert GROUP_METADATA_KEY in params["metadata"]
+    assert all(MODEL_REPLICA_KEY not in row["responses_create_params"]["metadata"] for row in rows)
+    with (
+        _serve_agent() as (url_a, state_a),
+        _serve_agent() as (url_b, state_b),
+    ):  # off: a group to one replica
+        results, _ = collect_rollouts([url_a, url_b], rows, RolloutSettings(max_in_flight=16), order=order)
+    assert all(MODEL_REPLICA_KEY not in r.result["responses_create_params"]["metadata"] for r in results)
+    assert all(len({str(g * 4 + s) in state_a.attempts for s in range(4)}) == 1 for g in range(4))
+
+
+def test_a_named_model_replica_is_taken_out_of_the_request() -> None:
+    params = {"input": "x", "metadata": {MODEL_REPLICA_KEY: "2", "k": "v"}}
+    assert take_model_replica(params) == ({"input": "x", "metadata": {"k": "v"}}, 2)
+    assert take_model_replica({"input": "x", "metadata": {MODEL_REPLICA_KEY: "0"}}) == ({"input": "x"}, 0)
+    assert take_model_replica({"input": "x"}) == ({"input": "x"}, None)
+    for named in ("-1", "a", 3):
+        with pytest.raises(ValueError, match=MODEL_REPLICA_KEY):
+            take_model_replica({"input": "x", "metadata": {MODEL_REPLICA_KEY: named}})
+
+
 def test_a_groups_later_samples_are_posted_after_the_follower_delay_its_first_at_once(
     agent: tuple[str, _Agent],
 ) -> None:
@@ -198,22 +249,37 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
     for i in range(3):
         assert outcome[f"ok-{i}"] == outcome[f"flaky-{i}"] == "ok"
         assert outcome[f"down-{i}"] == "infra_failed"
-        assert outcome[f"refused-{i}"] == outcome[f"no_reward-{i}"] == outcome[f"inner_refused-{i}"] == "content_failed"
+        assert (
+            outcome[f"refused-{i}"]
+            == outcome[f"no_reward-{i}"]
+            == outcome[f"inner_refused-{i}"]
+            == "content_failed"
+        )
         assert state.attempts[f"flaky-{i}"] == 3 and state.attempts[f"down-{i}"] == 3
-        assert state.attempts[f"refused-{i}"] == state.attempts[f"inner_refused-{i}"] == 1  # not re-dispatched
+        assert (
+            state.attempts[f"refused-{i}"] == state.attempts[f"inner_refused-{i}"] == 1
+        )  # not re-dispatched
         # scored, not masked: it keeps its result and its (failure) reward
         assert outcome[f"policy_fault-{i}"] == "policy_fault" and state.attempts[f"policy_fault-{i}"] == 1
     metrics = stats.as_dict()
-    assert metrics["rollout/rows"] == len(rows) == (
-        metrics["rollout/ok"]
-        + metrics["rollout/policy_fault"]
-        + metrics["rollout/content_failed"]
-        + metrics["rollout/infra_failed"]
+    assert (
+        metrics["rollout/rows"]
+        == len(rows)
+        == (
+            metrics["rollout/ok"]
+            + metrics["rollout/policy_fault"]
+            + metrics["rollout/content_failed"]
+            + metrics["rollout/infra_failed"]
+        )
     )
     assert metrics["rollout/policy_fault"] == 3
     faults = [r for r in results if r.outcome == "policy_fault"]
     assert [(r.reward, r.policy_fault) for r in faults] == [(0.0, "context_overflow")] * 3
-    assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (6, 9, 3)
+    assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (
+        6,
+        9,
+        3,
+    )
     assert metrics["rollout/retries"] == 3 * 2 + 3 * 2
     assert metrics["rollout/redispatches"] == metrics["rollout/server_restarts"] == 0
     assert [r.reward for r in results if r.outcome == "ok"] == [1.0] * 6
@@ -452,7 +518,9 @@ def test_counts_of_calls_made_one_after_another_add_up_and_overlapping_ones_span
 
     first = RolloutStats(rows=4, outcomes=Counter(ok=3, infra_failed=1), retries=2, server_restarts=1,
                          wall_s=10.0, started_at=100.0)  # fmt: skip
-    second = RolloutStats(rows=4, outcomes=Counter(ok=4), redispatches=1, server_restarts=1, wall_s=6.0, started_at=104.0)
+    second = RolloutStats(
+        rows=4, outcomes=Counter(ok=4), redispatches=1, server_restarts=1, wall_s=6.0, started_at=104.0
+    )
     after = RolloutStats.combined([first, second])
     assert after.rows == 8 and after.outcomes == Counter(ok=7, infra_failed=1)
     assert (after.retries, after.redispatches, after.server_restarts, after.wall_s) == (2, 1, 2, 16.0)

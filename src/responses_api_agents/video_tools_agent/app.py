@@ -34,6 +34,9 @@ call only (e.g. a structured-outputs choice that makes the first turn an action)
 with its own port): each trajectory makes all its model calls to the one its prompt hashes to
 (:mod:`gym_video_env.affinity`), so a GRPO group's identical first turns meet in one model-server
 process, which can coalesce them, where uvicorn workers sharing a port would split them at random.
+A request whose ``metadata`` names a replica (``model_replica``: an index into that list, removed
+before the model call) goes to that one instead: a rollout client that deals a group's samples over
+several agent replicas keeps the group on one model server that way.
 
 The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
 vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
@@ -55,7 +58,7 @@ from nemo_gym.server_utils import get_response_json, is_nemo_gym_fastapi_entrypo
 from pydantic import ConfigDict, PositiveInt
 
 from gym_video_env import MediaSettings
-from gym_video_env.affinity import pick, prompt_key
+from gym_video_env.affinity import MODEL_REPLICA_KEY, pick, prompt_key, take_model_replica
 from gym_video_env.request_media import relocate_tool_outputs
 
 
@@ -166,10 +169,17 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
     ) -> tuple[dict[str, Any], dict[str, str], str | None]:
         """Run the loop for the request ``params``: the last model response with the whole
         trajectory, the model server's cookies, and the policy fault that ended it (or ``None``)."""
+        params, named = take_model_replica(params)
         prompt = params["input"]
         prompt_items = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         servers = [self.config.model_server, *self.config.model_servers]
-        model_server = servers[pick(prompt_key(prompt_items), len(servers)) if len(servers) > 1 else 0].name
+        if named is not None and named >= len(servers):
+            raise ValueError(
+                f"metadata {MODEL_REPLICA_KEY}={named}: the agent has {len(servers)} model servers"
+            )
+        if named is None:
+            named = pick(prompt_key(prompt_items), len(servers)) if len(servers) > 1 else 0
+        model_server = servers[named].name
         trajectory: list[dict[str, Any]] = []
         usage: dict[str, int] = {}
         last: dict[str, Any] | None = None

@@ -131,6 +131,21 @@ def _coalescing_task(
     return _task(tmp_path, model_dir, overrides, prompts=prompts, seed=seed)
 
 
+def _declared(
+    tmp_path: Path, tiny_qwen25vl: Path, vllm_server: VLLMServer, *overrides: str
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]], list[int], list[Any], tuple[str, ...]]:
+    """Three prompts' declared groups of ``GROUP`` (two tokens each) and the Gym servers over
+    ``WORKERS`` replicas: the recipe, the prompts, the rows and their dispatch order, the specs
+    and the agents."""
+    base = ["rollout.declare_groups=true", f"rollout.group_size={GROUP}", f"rollout.gym_workers={WORKERS}"]
+    recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, [*base, *overrides], prompts=3, seed=3)
+    rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
+    specs, agents = data.gym_specs(
+        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
+    )
+    return recipe, prompts, rows, order, specs, agents
+
+
 def _chat_completion_calls(server: VLLMServer) -> float:
     """HTTP requests vLLM's API server has answered on ``/v1/chat/completions`` (its Prometheus
     instrumentation; vLLM's own counters count each of ``n`` choices as a request)."""
@@ -189,16 +204,7 @@ def test_a_groups_identical_first_turns_reach_vllm_as_one_request_with_n(
 def test_a_declared_group_goes_to_vllm_with_its_first_sample_and_the_rest_take_its_choices(
     tmp_path: Path, vllm_server: VLLMServer, tiny_qwen25vl: Path
 ) -> None:
-    overrides = [
-        "rollout.declare_groups=true",
-        f"rollout.group_size={GROUP}",
-        f"rollout.gym_workers={WORKERS}",
-    ]
-    recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=3, seed=3)
-    rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
-    specs, agents = data.gym_specs(
-        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
-    )
+    _, prompts, rows, order, specs, agents = _declared(tmp_path, tiny_qwen25vl, vllm_server)
     first = order[: len(prompts)]  # each group's first sample
     rest = order[len(prompts) :]
 
@@ -240,17 +246,8 @@ def test_with_spread_group_samples_a_groups_samples_take_several_agents_and_stil
 ) -> None:
     """``rollout.spread_group_samples``: every agent replica reaches every model replica, and each
     request names its group's; the groups still reach vLLM as one request each."""
-    overrides = [
-        "rollout.declare_groups=true",
-        "rollout.spread_group_samples=true",
-        f"rollout.group_size={GROUP}",
-        f"rollout.gym_workers={WORKERS}",
-    ]
-    recipe, prompts, _, data = _task(tmp_path, tiny_qwen25vl, overrides, prompts=3, seed=3)
-    rows, order = declared_groups([with_sampling(p, 1.0, 2) for p in prompts], GROUP)
-    specs, agents = data.gym_specs(
-        recipe, openai_url=vllm_server.openai_url, model_name=vllm_server.model_name
-    )
+    spread = "rollout.spread_group_samples=true"
+    recipe, prompts, rows, order, specs, agents = _declared(tmp_path, tiny_qwen25vl, vllm_server, spread)
     models = _replicas(MODEL_SERVER, WORKERS)
     by_name = {spec.name: spec for spec in specs}
     for agent in agents:
@@ -273,7 +270,8 @@ def test_with_spread_group_samples_a_groups_samples_take_several_agents_and_stil
     assert totals == {"group_requests": len(prompts), "group_choices_unclaimed": 0}
     for result in results:
         params = result.result["responses_create_params"]
-        assert "model_replica" not in json.dumps(result.result["response"]), "the agent takes the name out of the model call"
+        taken_out = "model_replica" not in json.dumps(result.result["response"])
+        assert taken_out, "the agent takes the name out of the model call"
         assert params["metadata"]["model_replica"] in {"0", "1"}
 
 

@@ -560,7 +560,7 @@ def start_phase(
     recipe = phase.recipe
     started = time.perf_counter()
     if phase.direct:
-        time_batch: Callable[..., dict[str, Any]] = partial(timed_direct, recipe, server, data)
+        timer: Callable[..., dict[str, Any]] = partial(timed_direct, recipe, server, data)
     else:
         specs, agents = data.gym_specs(recipe, openai_url=server.openai_url, model_name=server.model_name)
         gym = stack.enter_context(
@@ -575,12 +575,19 @@ def start_phase(
         if recipe.rollout.coalesces_groups:
             model_urls = [gym.url(spec.name) for spec in specs if spec.name.startswith(MODEL_SERVER)]
         agent_urls = tuple(gym.url(agent) for agent in agents)
-        time_batch = partial(timed_rollouts, recipe, server.base_url, agent_urls, model_urls=model_urls)
+        timer = partial(timed_rollouts, recipe, server.base_url, agent_urls, model_urls=model_urls)
     out["gym_startup_s"] = time.perf_counter() - started
-    warm = time_batch(warmup)
+    warm = timer(warmup)
     out["warmup"] = {k: warm[k] for k in ("samples", "ok", "wall_s", "first_error")}
     print(f"[{phase.name}] warm-up: {warm['ok']}/{warm['samples']} ok in {warm['wall_s']:.1f} s", flush=True)
-    return time_batch, out
+    return timer, out
+
+
+def time_batch(
+    timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One timed batch of a phase (:func:`start_phase`'s timer): ``grouped``, one request a group."""
+    return timer(rows, grouped=True) if label == "grouped" else timer(rows)
 
 
 def run_phases(
@@ -619,8 +626,7 @@ def run_phases(
                     continue
                 try:
                     outs[phase.name].setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-                    timer = timers[phase.name]
-                    run = timer(rows, grouped=True) if label == "grouped" else timer(rows)
+                    run = time_batch(timers[phase.name], label, rows)
                 except Exception as error:  # noqa: BLE001
                     traceback.print_exc()
                     outs[phase.name]["error"] = f"{label}: {type(error).__name__}: {error}"
@@ -701,7 +707,7 @@ def profiled_batch(
     since = time.time()
     requests.post(f"{server.base_url}/start_profile", timeout=120).raise_for_status()
     try:
-        run = timer(rows, grouped=True) if label == "grouped" else timer(rows)
+        run = time_batch(timer, label, rows)
     finally:
         requests.post(f"{server.base_url}/stop_profile", timeout=900).raise_for_status()
     return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], **trace_summary(trace_dir, since)}
@@ -925,16 +931,12 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):  # rounds of both samplings in turn, as ours' phases are timed
         for label, (params, sampling) in samplings.items():
-            llm.reset_prefix_cache()  # then the timed prompts from cold caches
-            llm.reset_mm_cache()
-            llm.llm_engine.reset_encoder_cache()
+            cold_caches(llm)
             runs.setdefault(label, []).append(timed_generate(llm, timed_inputs, params, sampling))
     for label, timed in runs.items():
         out[label] = median_run(timed)
     if trace_dir is not None:  # one more batch, as ours' profiled one: the sampling that asks logprobs
-        llm.reset_prefix_cache()
-        llm.reset_mm_cache()
-        llm.llm_engine.reset_encoder_cache()
+        cold_caches(llm)
         since = time.time()
         llm.start_profile()
         try:
@@ -944,6 +946,13 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         label = "full_logprobs"
         out["profile"] = {"label": label, "wall_s": run["wall_s"], **trace_summary(trace_dir, since)}
     return out
+
+
+def cold_caches(llm: Any) -> None:
+    """Reset stock's prefix, multimodal and encoder caches: the next prompts start cold."""
+    llm.reset_prefix_cache()
+    llm.reset_mm_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def timed_generate(llm: Any, inputs: list[dict[str, Any]], params: Any, sampling: str) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["MODEL_REPLICA_KEY", "pick", "prompt_key", "take_model_replica"]
+__all__ = ["MODEL_REPLICA_KEY", "pick", "prompt_key", "take_model_replica", "without_metadata"]
 
 MODEL_REPLICA_KEY = "model_replica"
 """Request ``metadata`` key naming, as a decimal string, the model-server replica (an index into
@@ -73,6 +73,14 @@ def take_model_replica(params: dict[str, Any]) -> tuple[dict[str, Any], int | No
     named = metadata[MODEL_REPLICA_KEY]
     if not isinstance(named, str) or not named.isdecimal():
         raise ValueError(f"metadata {MODEL_REPLICA_KEY}={named!r} is not a model-server replica index")
-    rest = {key: value for key, value in metadata.items() if key != MODEL_REPLICA_KEY}
-    stripped = {**params, "metadata": rest} if rest else {k: v for k, v in params.items() if k != "metadata"}
-    return stripped, int(named)
+    return without_metadata(params, MODEL_REPLICA_KEY), int(named)
+
+
+def without_metadata(params: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A request's fields (a chat completion's or a Responses request's) without entry ``key`` of
+    its ``metadata``; the ``metadata`` goes too when nothing else is left in it."""
+    metadata = params.get("metadata")
+    if not isinstance(metadata, Mapping) or key not in metadata:
+        return dict(params)
+    rest = {name: value for name, value in metadata.items() if name != key}
+    return {**params, "metadata": rest} if rest else {k: v for k, v in params.items() if k != "metadata"}

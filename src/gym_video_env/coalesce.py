@@ -52,6 +52,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_video_env.affinity import without_metadata
+
 __all__ = [
     "GROUP_METADATA_KEY",
     "CoalescingClient",
@@ -89,11 +91,7 @@ def group_metadata(group: str, size: int) -> dict[str, str]:
 def without_group(params: Mapping[str, Any]) -> dict[str, Any]:
     """A request's fields (a chat completion's or a Responses request's) without a group
     declaration in its ``metadata``; the ``metadata`` goes too when nothing else is left in it."""
-    metadata = params.get("metadata")
-    if not isinstance(metadata, Mapping) or GROUP_METADATA_KEY not in metadata:
-        return dict(params)
-    rest = {key: value for key, value in metadata.items() if key != GROUP_METADATA_KEY}
-    return {**params, "metadata": rest} if rest else {k: v for k, v in params.items() if k != "metadata"}
+    return without_metadata(params, GROUP_METADATA_KEY)
 
 
 def _declared_group(body: dict[str, Any]) -> tuple[dict[str, Any], str | None, int]:

@@ -24,6 +24,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
@@ -229,6 +230,17 @@ class ModelSection(_Section):
     def video_token_geometry(self) -> tuple[int, int]:
         """``(pixels per video token side, frames per temporal patch)`` of the family's vision encoder."""
         return _VIDEO_TOKEN_GEOMETRY[self.family]
+
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _args_as_written(cls, value: Any) -> Any:
+        """YAML reads ``[--max-num-seqs, 64]``'s number as a number: a command line's words are text."""
+        if isinstance(value, list):
+            return [
+                str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v
+                for v in value
+            ]
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ModelSection:

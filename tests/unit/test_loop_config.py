@@ -23,7 +23,9 @@ def test_tiny_recipe_is_the_embedded_default() -> None:
 
 
 def test_overrides_are_parsed_as_yaml_and_nest() -> None:
-    recipe = load_recipe(TINY, ["train.learning_rate=1e-3", "model.spec.text_num_layers=1", "task.name=count"])
+    recipe = load_recipe(
+        TINY, ["train.learning_rate=1e-3", "model.spec.text_num_layers=1", "task.name=count"]
+    )
     assert recipe.train.learning_rate == 1e-3
     assert recipe.model.spec == {"text_num_layers": 1}
     assert recipe.task.name == "count"
@@ -59,7 +61,9 @@ def test_letter_answers_need_one_output_token() -> None:
         load_recipe(None, ["rollout.max_output_tokens=4"])
     with pytest.raises(pydantic.ValidationError, match="restrict_to_options needs"):
         load_recipe(None, ["task.answer_format=boxed", "rollout.max_output_tokens=8"])
-    assert load_recipe(None, ["task.answer_format=boxed", "rollout.max_output_tokens=8", "rollout.restrict_to_options=false"])
+    assert load_recipe(
+        None, ["task.answer_format=boxed", "rollout.max_output_tokens=8", "rollout.restrict_to_options=false"]
+    )
 
 
 def test_the_agentic_environment_s_settings_are_checked() -> None:
@@ -68,7 +72,9 @@ def test_the_agentic_environment_s_settings_are_checked() -> None:
     assert recipe.model.tool_parser == "hermes" and recipe.task.max_model_calls == 4
     assert recipe.task.videos_per_prompt == recipe.task.num_segments  # each segment at most once
     assert load_recipe(agentic, ["task.shown_segment_fraction=0.5"]).task.videos_per_prompt == 4
-    with pytest.raises(pydantic.ValidationError, match="restrict_to_options \\(option letters only\\) forbids"):
+    with pytest.raises(
+        pydantic.ValidationError, match="restrict_to_options \\(option letters only\\) forbids"
+    ):
         load_recipe(agentic, ["rollout.restrict_to_options=true"])
     with pytest.raises(pydantic.ValidationError, match="constrain_actions applies to"):
         load_recipe(None, ["rollout.constrain_actions=true"])
@@ -76,13 +82,17 @@ def test_the_agentic_environment_s_settings_are_checked() -> None:
         load_recipe(None, ["task.tool_call_cost=0.1"])
     with pytest.raises(pydantic.ValidationError, match="apply to task.environment='agentic' only"):
         load_recipe(None, ["task.same_colour_fraction=0.5"])
-    with pytest.raises(pydantic.ValidationError, match="first_turn_tool_call needs rollout.constrain_actions"):
+    with pytest.raises(
+        pydantic.ValidationError, match="first_turn_tool_call needs rollout.constrain_actions"
+    ):
         load_recipe(agentic, ["rollout.constrain_actions=false"])
     with pytest.raises(pydantic.ValidationError, match="canonical_actions needs rollout.constrain_actions"):
         load_recipe(agentic, ["rollout.constrain_actions=false", "rollout.first_turn_tool_call=false"])
     with pytest.raises(pydantic.ValidationError, match="num_segments >= 2"):
         load_recipe(agentic, ["task.num_segments=1"])
-    with pytest.raises(pydantic.ValidationError, match="writes the tool calls it allows in the hermes format"):
+    with pytest.raises(
+        pydantic.ValidationError, match="writes the tool calls it allows in the hermes format"
+    ):
         load_recipe(agentic, ["model.tool_call_parser=mistral"])
 
 
@@ -129,10 +139,18 @@ def test_a_checkpoint_written_before_a_field_was_added_still_resumes() -> None:
 def test_colocated_gpus_are_counted_once() -> None:
     recipe = load_recipe(
         None,
-        ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2", "model.placement=colocated"],
+        [
+            "model.path=/x",
+            "model.dtype=bfloat16",
+            "model.vllm_gpus=2",
+            "model.policy_gpus=2",
+            "model.placement=colocated",
+        ],
     )
     assert recipe.model.num_gpus == 2
-    assert load_recipe(None, ["model.path=/x", "model.vllm_gpus=2", "model.policy_gpus=2"]).model.num_gpus == 4
+    assert (
+        load_recipe(None, ["model.path=/x", "model.vllm_gpus=2", "model.policy_gpus=2"]).model.num_gpus == 4
+    )
 
 
 def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
@@ -148,7 +166,9 @@ def test_a_colocated_gpu_run_starts_vllm_in_sleep_mode_and_refits_from_disk(
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    monkeypatch.setattr("rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract())
+    monkeypatch.setattr(
+        "rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract()
+    )
     data = _task_data(model_dir, tmp_path)
     assert "--enable-sleep-mode" in vllm_config(colocated, data).extra_args
     assert "--enable-sleep-mode" not in vllm_config(split, data).extra_args
@@ -167,7 +187,9 @@ def test_in_memory_refits_on_gpus_use_nccl_split_and_cuda_ipc_colocated(
     from vllm_video_plugin.refit_receiver import GLOO_BACKEND
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract())
+    monkeypatch.setattr(
+        "rl_bridge.backends.vllm_servers.run_processor", lambda recipe, data: _FixedContract()
+    )
     overrides = ["model.path=/x", "model.dtype=bfloat16", "model.vllm_gpus=2", "model.policy_gpus=2"]
     colocated = load_recipe(None, [*overrides, "model.placement=colocated", "refit.transport=memory"])
     split = load_recipe(None, overrides)
@@ -274,6 +296,8 @@ def test_further_vllm_args_come_last(tiny_qwen25vl: Path, tmp_path: Path) -> Non
     recipe = load_recipe(None, ["model.vllm_args=[--mm-tensor-ipc, torch_shm, --stream-interval=4]"])
     argv = server_argv(vllm_config(recipe, data), port=8000)
     assert argv[-3:] == ["--mm-tensor-ipc", "torch_shm", "--stream-interval=4"]
+    numbers = load_recipe(None, ["model.vllm_args=[--max-num-seqs, 64, --enable-chunked-prefill, true]"])
+    assert numbers.model.vllm_args == ["--max-num-seqs", "64", "--enable-chunked-prefill", "true"]
 
 
 @pytest.mark.parametrize(

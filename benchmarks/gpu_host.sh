@@ -63,6 +63,10 @@
 #              (rollout.spread_group_samples); direct on each server; each whole batch timed five times (the median
 #              run reported), then one more under vLLM's profiler: how long the GPU was busy and idle
 #              in it (traces left on the host). About 13 minutes after the install
+#   rollout_threads  ours as the one-GPU recipes run it, direct and stock, every process of the benchmark
+#              (vLLM's API servers, its engine, Gym's servers, stock's LLM) with OMP_NUM_THREADS=4 instead of
+#              torch's one thread a core: whether four API servers' processors and the Gym processes
+#              oversubscribing 16 cores slow vLLM's engine loop; five rounds
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -189,6 +193,8 @@ for name in "${jobs[@]}"; do
       --variant "as1: model.vllm_api_servers=1" --variant "spread: rollout.spread_group_samples=true" \
       --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
       --json "$out/rollout_vit.json" ;;
+    rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \
+      --configs stock,ours,direct --repeats 5 --json "$out/rollout_threads.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;

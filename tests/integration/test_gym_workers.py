@@ -18,6 +18,7 @@ run's own server specs (``TaskData.gym_specs``):
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -263,7 +264,16 @@ def test_with_spread_group_samples_a_groups_samples_take_several_agents_and_stil
         results, stats = collect_rollouts([gym.url(agent) for agent in agents], rows, settings, order=order)
         calls = _chat_completion_calls(vllm_server) - before
         counters = [requests.get(f"{gym.url(name)}/coalescing", timeout=30).json() for name in models]
+        refused = {}
+        for named in ("7", "x"):  # a replica the agent lacks, and no index at all
+            bad = json.loads(json.dumps(rows[0]))
+            params = bad["responses_create_params"]
+            params["metadata"] = {**(params.get("metadata") or {}), "model_replica": named}
+            refused[named] = requests.post(f"{gym.url(agents[0])}/run", json=bad, timeout=120)
 
+    for named, answer in refused.items():
+        assert answer.status_code == 400, (named, answer.status_code, answer.text[:300])
+        assert re.search(rf"model_replica='?{named}\b", answer.text), answer.text
     assert stats.outcomes == {"ok": len(rows)}, [r.error for r in results if r.error][:2]
     assert calls == len(prompts), f"each group went to vLLM once; vLLM answered {calls:.0f}"
     totals = {key: sum(c[key] for c in counters) for key in ("group_requests", "group_choices_unclaimed")}

@@ -36,7 +36,8 @@ with its own port): each trajectory makes all its model calls to the one its pro
 process, which can coalesce them, where uvicorn workers sharing a port would split them at random.
 A request whose ``metadata`` names a replica (``model_replica``: an index into that list, removed
 before the model call) goes to that one instead: a rollout client that deals a group's samples over
-several agent replicas keeps the group on one model server that way.
+several agent replicas keeps the group on one model server that way. A name that is no index, or an
+index past the list, is answered HTTP 400 naming it.
 
 The returned response's ``output`` is the whole trajectory after the prompt (assistant turns with
 vLLM's token ids, tool calls, tool outputs and the user messages carrying the clips).
@@ -49,7 +50,7 @@ import re
 from typing import Any
 
 from aiohttp import ClientResponseError
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, Body, SimpleResponsesAPIAgent
 from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
@@ -169,14 +170,17 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
     ) -> tuple[dict[str, Any], dict[str, str], str | None]:
         """Run the loop for the request ``params``: the last model response with the whole
         trajectory, the model server's cookies, and the policy fault that ended it (or ``None``)."""
-        params, named = take_model_replica(params)
+        servers = [self.config.model_server, *self.config.model_servers]
+        try:  # a request naming a replica this agent lacks is the client's error: HTTP 400
+            params, named = take_model_replica(params)
+            if named is not None and named >= len(servers):
+                raise ValueError(
+                    f"metadata {MODEL_REPLICA_KEY}={named}: the agent has {len(servers)} model servers"
+                )
+        except ValueError as error:
+            raise HTTPException(status_code=400, detail=str(error)) from error
         prompt = params["input"]
         prompt_items = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        servers = [self.config.model_server, *self.config.model_servers]
-        if named is not None and named >= len(servers):
-            raise ValueError(
-                f"metadata {MODEL_REPLICA_KEY}={named}: the agent has {len(servers)} model servers"
-            )
         if named is None:
             named = pick(prompt_key(prompt_items), len(servers)) if len(servers) > 1 else 0
         model_server = servers[named].name

@@ -72,7 +72,11 @@ def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp
     data[len(data) // 3] ^= 0xFF
     part.write_bytes(bytes(data))
     run = subprocess.run(
-        [out / "install.sh", tmp_path / "p2"], capture_output=True, text=True, env=env, timeout=120,
+        [out / "install.sh", tmp_path / "p2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
         check=False,
     )
     assert run.returncode != 0 and "damaged" in run.stderr
@@ -113,3 +117,37 @@ def test_install_sees_the_torch_of_an_image_whose_python_is_a_venv(tmp_path: Pat
     assert "main: imports ok (alpha torch)" in run.stdout
     probe = json.loads((prefix / ".torch-main.json").read_text())
     assert probe == {"version": "2.11.0+venv", "path": str((Path(site) / "torch" / "__init__.py").resolve())}
+
+
+def test_the_wheel_sets_install_at_once_and_a_failing_set_fails_the_install(tmp_path: Path) -> None:
+    """main and gym install concurrently; a set whose import check fails fails install.sh, naming
+    the set and the module, and the other set still prints its own lines."""
+    python = _base_python()
+    src = tmp_path / "src"
+    src.mkdir()
+    alpha = make_wheel(src, "alpha", "1.0", {"alpha/__init__.py": b""})
+    beta = make_wheel(src, "beta", "2.0", {"beta/__init__.py": b"raise ImportError('beta is broken')\n"})
+    image = tmp_path / "image"
+    (image / "torch").mkdir(parents=True)
+    (image / "torch" / "__init__.py").write_text('__version__ = "2.11.0+fake"\n')
+    out = tmp_path / "house"
+    write_wheelhouse(
+        out,
+        HostSpec("3.12", "2.11.0", frozenset({"torch"})),
+        [
+            (alpha, Wheel(alpha.name, "alpha", "1.0", ["main"])),
+            (beta, Wheel(beta.name, "beta", "2.0", ["gym"])),
+        ],
+        jobs=1,
+        import_checks={"main": ["alpha"], "gym": ["beta"]},
+        log=lambda _: None,
+    )
+    env = {**os.environ, "PYTHON": python, "PYTHONPATH": str(image)}
+    run = subprocess.run(
+        [out / "install.sh", tmp_path / "prefix"], capture_output=True, text=True, env=env, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "main: imports ok (alpha)" in run.stdout
+    assert "import beta failed" in run.stderr and "wheel set(s) gym failed" in run.stderr, run.stderr
+    assert "Installed." not in run.stdout

@@ -178,10 +178,13 @@ check verify "$house" || die "the wheelhouse is damaged: carry the files again"
 check probe-torch > "$prefix/.torch-image.json"
 echo "image: Python $have, torch $(cat "$prefix/.torch-image.json")"
 
-# 3. One venv per wheel set, over the image's site-packages; the image's pip installs into it.
-for set in main gym; do
+# 3. One venv per wheel set, over the image's site-packages; the image's pip installs into it. The
+# sets are independent venvs, installed at once (each pip is one process); each set's lines are
+# printed when it is done, and any failure fails the install.
+install_set() {
+  local set=$1 venv site imports module started=$SECONDS
   mapfile -t wheels < <(check wheels "$house" "$set" 2>/dev/null || true)
-  [ "${#wheels[@]}" -gt 0 ] || continue
+  [ "${#wheels[@]}" -gt 0 ] || return 0
   venv=$prefix/$set
   [ -x "$venv/bin/python" ] || "$python" -m venv --system-site-packages --without-pip "$venv"
   # An image whose Python is itself a venv (torch in /opt/torch/.venv, say): --system-site-packages
@@ -200,8 +203,23 @@ for set in main gym; do
   for module in $imports; do
     "$venv/bin/python" -c "import $module" || die "$venv: import $module failed"
   done
-  echo "$set: imports ok ($imports)"
+  echo "$set: imports ok ($imports) in $((SECONDS - started)) s"
+}
+declare -A pids
+for set in main gym; do
+  install_set "$set" > "$prefix/.install-$set.log" 2>&1 &
+  pids[$set]=$!
 done
+failed=""
+for set in main gym; do
+  if wait "${pids[$set]}"; then
+    cat "$prefix/.install-$set.log"
+  else
+    failed="$failed $set"
+    cat "$prefix/.install-$set.log" >&2
+  fi
+done
+[ -z "$failed" ] || die "installing the wheel set(s)$failed failed (see above)"
 if [ -x "$prefix/gym/bin/gym" ]; then
   "$prefix/gym/bin/gym" --help > /dev/null || die "$prefix/gym: gym --help failed"
   echo "gym: gym --help ok"

@@ -1467,6 +1467,8 @@ def main() -> int:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+    if args.stock_alongside and not ({"ours", "direct"} & set(configs) and "stock" in configs):
+        parser.error("--stock-alongside times stock in the servers' rounds: name stock, and ours or direct")
     command = shlex.join([sys.executable, *sys.argv])
     from rl_bridge.tasks import prepare_task
 

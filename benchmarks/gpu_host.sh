@@ -76,9 +76,10 @@
 #   rollout_paired  stock's engine kept up beside the vLLM servers (--stock-alongside, 0.3 of the GPU) and
 #              timed in the same rounds as ours (the one-GPU recipes), direct, and ours and direct on one
 #              API server with four renderer threads: eight rounds, each configuration once a round, and
-#              the ratios paired round by round; then one profiled batch of each, a primer request
-#              taking the profiler's start-up, vLLM's step scopes in the trace. About 10 minutes after
-#              the install
+#              the ratios paired round by round; ours with its batch queued while vLLM is paused and
+#              timed from the resume (--queued: the rollout if the loop posted it while the policy
+#              trains); then one profiled batch of each, a primer request taking the profiler's
+#              start-up, vLLM's step scopes in the trace. About 11 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -210,7 +211,7 @@ for name in "${jobs[@]}"; do
       --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
       --profile "${TMPDIR:-/tmp}/rollout_front_traces" --json "$out/rollout_front.json" ;;
     rollout_paired) job rollout_paired 900 env VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "$py" benchmarks/rollout.py \
-      --configs stock,ours,direct --repeats 8 --stock-alongside \
+      --configs stock,ours,direct --repeats 8 --stock-alongside --queued \
       --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
       --profile "${TMPDIR:-/tmp}/rollout_paired_traces" --json "$out/rollout_paired.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \

@@ -23,6 +23,11 @@ figure):
   (``model.vllm_api_servers``, ``model.vllm_renderer_workers``) on a vLLM server of their own,
   started after ours', which also times **direct-LABEL** (the ``grouped`` direct batch, below) when
   ``direct`` runs.
+- **ours-queued** (``--queued``): ours on its server with the batch posted while vLLM's scheduler
+  is paused (``/pause?mode=keep``), then ``/resume`` once every request has had time to reach the
+  engine's queue, timed from the resume: the rollout stage if the loop sent the next step's
+  requests while the policy trains, vLLM asleep (:func:`queued_batch`). A measurement of what
+  that would take, not a setting of the loop.
 - **direct**: ours' vLLM server with no Gym in front: the chat completions Gym's model server sends
   vLLM for the same rows (token-id capture: the chosen token's logprob, prompt and generated ids;
   the clips as ``file://`` URLs) posted straight to ``/v1/chat/completions``, as many at once as
@@ -321,6 +326,9 @@ def coalescing_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     return delta
 
 
+LATE_HORIZON_WAIT_S = 2.5  # before a batch of ours: past the coalescers' late horizon (2 s)
+
+
 def timed_rollouts(
     recipe: Any,
     base_url: str,
@@ -342,7 +350,7 @@ def timed_rollouts(
     settings = dispatch_settings(recipe.rollout)
     coalescing_before = None
     if model_urls:
-        time.sleep(2.5)  # past the coalescers' late horizon (2 s): earlier batches' groups are not late
+        time.sleep(LATE_HORIZON_WAIT_S)
         coalescing_before = coalescing(model_urls)
     before = scrape(base_url)
     cpu_before = cpu_snapshot()
@@ -356,6 +364,7 @@ def timed_rollouts(
     errors = [res.error for res in results if res.error]
     first_error = (errors[0] or "")[:500] if errors else ""
     figures = batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
+    figures["started_unix"] = started_unix
     if coalescing_before is not None:
         figures["coalescing"] = counts = coalescing_delta(coalescing_before, coalescing(model_urls or []))
         figures["timeline"] = send_timeline(counts.pop("sends", []), started_unix)
@@ -386,6 +395,11 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
             f"  to vLLM: first request at +{timeline['first_sent_s']:.3f} s, last at "
             f"+{timeline['last_sent_s']:.3f} s, last answer at +{timeline['last_answered_s']:.3f} s of "
             f"{result['wall_s']:.3f} s"
+        )
+    if (resumed_at := result.get("resumed_at_s")) is not None:
+        lines.append(
+            f"  queued while paused: resumed at +{resumed_at:.3f} s; the batch ended "
+            f"{result['wall_s']:.3f} s after the resume (the timeline above counts from posting)"
         )
     if runs := result.get("runs"):
         walls = ", ".join(f"{run['wall_s']:.3f}" for run in runs)
@@ -547,6 +561,7 @@ class Phase:
     recipe: Any
     batches: dict[str, list[dict[str, Any]]]
     direct: bool = False
+    queued: bool = False  # timed by queued_batch: posted while vLLM is paused, timed from the resume
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -602,6 +617,54 @@ def time_batch(
     return timer(rows, grouped=True) if label == "grouped" else timer(rows)
 
 
+QUEUE_WAIT_S = 2.0  # queued_batch: after the batch starts posting, before the resume
+
+
+def queued_batch(
+    server: Any, timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A batch whose requests reach vLLM while its scheduler is paused, as the loop's next rollout
+    could while the policy trains (vLLM asleep): ``/pause?mode=keep``, the batch posted, then
+    :data:`QUEUE_WAIT_S` for the Gym path and vLLM's front ends to carry, load and process every
+    request into the engine's queue, then ``/resume``. ``wall_s`` runs from the resume to the
+    batch's last result (the stage's time once generation may start); ``resumed_at_s`` is the
+    resume in the batch's own time (its timeline's), after the last group was sent to vLLM
+    (``timeline``'s ``last_sent_s``) when the wait sufficed. Not a setting of the loop: what such
+    a rollout would take."""
+    import threading
+
+    requests.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
+    done: dict[str, Any] = {}
+
+    def batch() -> None:
+        try:
+            done["run"] = time_batch(timer, label, rows)
+        except BaseException as error:  # noqa: BLE001 (raised again in the caller's thread)
+            done["error"] = error
+        done["finished"] = time.perf_counter()
+
+    worker = threading.Thread(target=batch, name="queued-batch")
+    try:
+        worker.start()
+        time.sleep(LATE_HORIZON_WAIT_S + QUEUE_WAIT_S)  # the timer's own wait, then the batch's
+    finally:
+        resumed, resumed_unix = time.perf_counter(), time.time()
+        requests.post(f"{server.base_url}/resume", timeout=120).raise_for_status()
+    worker.join()
+    if "error" in done:
+        raise done["error"]
+    run = dict(done["run"])
+    run.update(
+        wall_s=done["finished"] - resumed,
+        resumed_at_s=resumed_unix - run["started_unix"],
+        posted_to_end_s=run["wall_s"],
+    )
+    run["samples_per_s"] = run["samples"] / run["wall_s"]
+    run["per_sample_s"] = run["wall_s"] / run["samples"]
+    run["generated_tokens_per_s"] = run["generated_tokens"] / run["wall_s"]
+    return run
+
+
 def run_phases(
     phases: list[Phase],
     server: Any,
@@ -640,7 +703,10 @@ def run_phases(
                     continue
                 try:
                     outs[phase.name].setdefault("cache_resets", {})[label] = reset_caches(server.base_url)
-                    run = time_batch(timers[phase.name], label, rows)
+                    if phase.queued:
+                        run = queued_batch(server, timers[phase.name], label, rows)
+                    else:
+                        run = time_batch(timers[phase.name], label, rows)
                 except Exception as error:  # noqa: BLE001
                     traceback.print_exc()
                     outs[phase.name]["error"] = f"{label}: {type(error).__name__}: {error}"
@@ -1449,6 +1515,13 @@ def main() -> int:
         help="with --stock-alongside on a GPU: stock's gpu_memory_utilization, so that the servers fit "
         "beside it (default 0.3; vLLM's default, 0.9, leaves them no room)",
     )
+    parser.add_argument(
+        "--queued",
+        action="store_true",
+        help="also time ours with its batch posted while vLLM's scheduler is paused and timed from "
+        "the resume (ours-queued, on ours' server): the rollout if the loop sent its requests while "
+        "the policy trains",
+    )
     parser.add_argument("--stock-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -1554,6 +1627,8 @@ def main() -> int:
         try:
             if name == "ours":
                 phases = [Phase("ours", recipe, {"subset": subset, "full": rows})]
+                if args.queued:
+                    phases.append(Phase("ours-queued", recipe, {"full": rows}, queued=True))
                 own_servers: list[list[Phase]] = []
                 ours_server = server_config(recipe, data, name, 0)
                 for label, overrides in variants:

@@ -1623,6 +1623,19 @@ def main() -> int:
             traceback.print_exc()
             results["stock"] = {"error": f"{type(error).__name__}: {error}"}
         configs = [name for name in configs if name != "stock"]
+
+    def on_server(name: str, phases: list[Phase]) -> dict[str, dict[str, Any]]:
+        """:func:`run_server_config` with this run's settings."""
+        return run_server_config(
+            name, data, warmup, phases, log_root, repeats=args.repeats, profile_root=args.profile, stock=stock
+        )
+
+    def checkpoint() -> None:
+        """Every figure so far into ``--json``, stock's rounds so far with them."""
+        if stock is not None:
+            results["stock"] = stock.summary()
+        write_report(results, complete=False)
+
     for name in configs:
         try:
             if name == "ours":
@@ -1641,57 +1654,20 @@ def main() -> int:
                         own_servers.append([phase, *(direct if "direct" in configs else [])])
                 if "direct" in configs:  # on the same server
                     phases.append(Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True))
-                results.update(
-                    run_server_config(
-                        name,
-                        data,
-                        warmup,
-                        phases,
-                        log_root,
-                        repeats=args.repeats,
-                        profile_root=args.profile,
-                        stock=stock,
-                    )
-                )
+                results.update(on_server(name, phases))
                 fallback = results["ours"].get("fallback", 0)
-                if stock is not None:
-                    results["stock"] = stock.summary()
-                write_report(results, complete=False)
+                checkpoint()
                 for own in own_servers:
                     try:
-                        results.update(
-                            run_server_config(
-                                own[0].name,
-                                data,
-                                warmup,
-                                own,
-                                log_root,
-                                repeats=args.repeats,
-                                profile_root=args.profile,
-                                stock=stock,
-                            )
-                        )
+                        results.update(on_server(own[0].name, own))
                     except Exception as error:  # noqa: BLE001 (one variant's failure must not lose the others)
                         traceback.print_exc()
                         results[own[0].name] = {"error": f"{type(error).__name__}: {error}"}
-                    if stock is not None:
-                        results["stock"] = stock.summary()
-                    write_report(results, complete=False)
+                    checkpoint()
             elif name == "direct":
                 if "ours" not in configs:
                     phases = [Phase("direct", recipe, {"full": rows, "grouped": rows}, direct=True)]
-                    results.update(
-                        run_server_config(
-                            name,
-                            data,
-                            warmup,
-                            phases,
-                            log_root,
-                            repeats=args.repeats,
-                            profile_root=args.profile,
-                            stock=stock,
-                        )
-                    )
+                    results.update(on_server(name, phases))
             elif name == "seed":
                 phases = [Phase("seed", recipe, {"subset": subset})]
                 seed = run_server_config(name, data, warmup, phases, log_root, first_fallback=fallback)
@@ -1701,9 +1677,7 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (one configuration's failure must not lose the others)
             traceback.print_exc()
             results[name] = {"error": f"{type(error).__name__}: {error}"}
-        if stock is not None:
-            results["stock"] = stock.summary()
-        write_report(results, complete=False)
+        checkpoint()
     if stock is not None:
         results["stock"] = stock.finish()
         write_report(results, complete=False)

@@ -608,6 +608,17 @@ class RolloutSection(_Section):
     while its samples' agent and verifier work, after vLLM's answer, runs in several processes
     instead of queueing in one. ``False``: a group's samples all take its replica's agent and
     verifier."""
+    queue_next_step: bool = False
+    """With ``model.placement: colocated``: the next step's rollouts are sent while vLLM sleeps
+    (after this step's rollouts, while the policy computes logprobs and trains). vLLM queues
+    requests that arrive while its scheduler is paused, its front ends loading and processing
+    their clips at once; the loop then wakes vLLM's weights alone, refits and resets its caches,
+    and only then wakes the KV cache, which resumes the scheduler: the queued requests run on the
+    new weights, their clips ready. The next step's rollout stage times the wait for them
+    (``time/rollout_s``) and ``rollout/queued_s`` how long they were queued before it; their wait
+    counts against ``timeout_s``. Only a step's first round of rollouts is queued (dynamic
+    sampling's further rounds run as they would). ``False``: a step's rollouts are sent when its
+    rollout stage starts."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;
@@ -869,6 +880,11 @@ class Recipe(_Section):
                 raise ValueError(
                     "model.placement='colocated' runs on the local backend only (cluster.backend)"
                 )
+        elif self.rollout.queue_next_step:
+            raise ValueError(
+                "rollout.queue_next_step queues the next step's rollouts while vLLM sleeps: it needs "
+                f"model.placement='colocated' (it is {self.model.placement!r})"
+            )
         if self.rollout.restrict_to_options and self.task.answer_format != "letter":
             raise ValueError("rollout.restrict_to_options needs task.answer_format='letter'")
         if self.task.environment == "agentic" and self.rollout.restrict_to_options:

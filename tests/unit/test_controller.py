@@ -20,7 +20,7 @@ from rl_bridge.loop.stages.preprocess import StepBatch
 from rl_bridge.loop.stages.refit import Refitter
 from rl_bridge.loop.stages.rollout import verifier_metrics
 from rl_bridge.loop.stages.train import TrainStage
-from rl_bridge.loop.step import Stages
+from rl_bridge.loop.step import Stages, learn
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.recipe import load_recipe
@@ -252,13 +252,13 @@ class _RefitClient:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def refit_with(self, load: Any, *, version: str, pause_mode: str = "wait") -> Any:
-        self.calls.append(("refit_with", version))
+    def refit_with(self, load: Any, *, version: str, pause_mode: str = "wait", resume: bool = True) -> Any:
+        self.calls.append(("refit_with", version if resume else f"{version}, left paused"))
         load()
         return type("Result", (), {"paused_s": 0.1})()
 
-    def refit(self, path: Any, *, version: str, pause_mode: str = "wait") -> Any:
-        self.calls.append(("refit", version))
+    def refit(self, path: Any, *, version: str, pause_mode: str = "wait", resume: bool = True) -> Any:
+        self.calls.append(("refit", version if resume else f"{version}, left paused"))
         return type("Result", (), {"paused_s": 0.2})()
 
     def update_weight_version(self, version: str) -> None:
@@ -267,8 +267,8 @@ class _RefitClient:
     def sleep(self, level: int = 1) -> None:
         self.calls.append(("sleep", str(level)))
 
-    def wake_up(self) -> None:
-        self.calls.append(("wake", ""))
+    def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+        self.calls.append(("wake", " ".join(tags)))
 
 
 class _SendingPolicy(_Policy):
@@ -393,3 +393,72 @@ def test_colocated_vllm_sleeps_from_the_rollouts_to_the_refit_and_split_never_sl
         assert steps == ["sleep", "logprobs", "train", "train", "release", "wake", "refit_with"]
         assert set(timings) == {"time/sleep_s", "time/release_s", "time/wake_s", "gpu/policy_released_gib"}
         assert timings["gpu/policy_released_gib"] == 1.5
+
+
+@pytest.mark.parametrize("transport", ["memory", "disk"])
+def test_with_the_next_step_queued_only_the_weights_wake_for_the_refit_and_the_kv_cache_after_it(
+    transport: str, tmp_path: Any
+) -> None:
+    """``rollout.queue_next_step``: the next rollouts go out once vLLM sleeps; the weights wake
+    alone, the refit leaves the server paused, and the KV cache wakes last (resuming vLLM), so
+    the queued requests cannot start on the old weights."""
+    controller, _, client = _refitting("model.placement=colocated", f"refit.transport={transport}")
+    policy = _OrderedPolicy(client.calls)
+    _with_policy(controller, policy)
+    controller.refit.weights_dir = tmp_path / "weights"
+    policy.save_hf_checkpoint = lambda target: target.mkdir(parents=True)  # type: ignore[attr-defined]
+    timings: dict[str, float] = {}
+    queue = lambda: client.calls.append(("queue", ""))  # noqa: E731
+    metrics = learn(controller, 1, [_sample(i) for i in range(4)], timings, queue_next=queue)
+    refit = "refit_with" if transport == "memory" else "refit"
+    assert client.calls == [
+        ("sleep", "1"),
+        ("queue", ""),
+        ("train", ""),
+        ("release", ""),
+        ("wake", "weights"),
+        (refit, "step-1, left paused"),
+        ("wake", "kv_cache"),
+    ]
+    assert "time/wake_kv_cache_s" in timings and metrics["refit/weight_version"] == 1.0
+    client.calls.clear()
+    learn(controller, 2, [_sample(i) for i in range(4)], timings)  # nothing queued: as before
+    assert [call for call in client.calls if call[0] in ("wake", refit)] == [("wake", ""), (refit, "step-2")]
+
+
+def test_queue_next_step_needs_the_colocated_placement() -> None:
+    with pytest.raises(ValueError, match="queue_next_step .* needs model.placement='colocated'"):
+        load_recipe("recipes/tiny_cpu_sync.yaml", ["rollout.queue_next_step=true"])
+
+
+def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_run_as_before() -> None:
+    controller, _ = _controller("train.dynamic_sampling=true", "rollout.prompts_per_step=1", "rollout.group_size=2")
+    calls: list[str] = []
+    release = threading.Event()
+    rounds = iter([[[0.0, 0.0]], [[1.0, 0.0]]])  # the queued round has no signal: a second round follows
+
+    def rollout(prompts: Any) -> tuple[list[RolloutResult], RolloutStats]:
+        calls.append(f"groups {prompts}")
+        if prompts == ["ahead"]:
+            release.wait(timeout=10)  # vLLM holds the queued requests until it wakes
+        return _results(next(rounds)), RolloutStats(rows=2, wall_s=99.0)
+
+    controller.rollout = type("Rollout", (), {"groups": staticmethod(rollout)})()
+    controller.preprocess = lambda results: (  # type: ignore[assignment]
+        StepBatch(groups=[[_sample(0)]], zero_signal=[len({r.result["reward"] for r in results}) == 1]),
+        {},
+    )
+    collect = SyncCollector(controller)
+    prompts = iter([["ahead"], ["second round"]])
+    collect.next_prompts = lambda: next(prompts)  # type: ignore[method-assign]
+    collect.queue_next()
+    with pytest.raises(RuntimeError, match="not collected"):
+        collect.queue_next()
+    threading.Timer(0.2, release.set).start()
+    batch, metrics = collect({})
+    assert calls == ["groups ['ahead']", "groups ['second round']"]
+    assert metrics["dynamic/rounds"] == 2.0 and not any(batch.zero_signal)
+    assert metrics["rollout/queued_s"] < 1.0
+    # The queued round counts the wait for it (about 0.2 s here), not its rollout's own 99 s; the
+    # second round, sent when needed, its 99 s.
+    assert 99.0 < metrics["rollout/wall_s"] < 99.0 + 1.0

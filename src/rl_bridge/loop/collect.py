@@ -8,7 +8,10 @@ metrics (:func:`collected_metrics`).
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -71,12 +74,55 @@ def preprocess_groups(stages: Stages, groups: Sequence[Group]) -> tuple[StepBatc
     return batch, collected_metrics(results, RolloutStats.combined(calls, concurrent=True), preprocess)
 
 
+class QueuedRollout:
+    """A step's first round of rollouts sent ahead (``rollout.queue_next_step``): the rollout
+    stage's :meth:`~rl_bridge.loop.stages.rollout.RolloutStage.groups` on a daemon thread (a run
+    that ends early does not wait for it), collected by :meth:`wait`."""
+
+    def __init__(self, stage: Any, prompts: list[dict[str, Any]]) -> None:
+        self._done: dict[str, Any] = {}
+        self.sent = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._run, args=(stage, prompts), name="queued-rollout", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, stage: Any, prompts: list[dict[str, Any]]) -> None:
+        try:
+            self._done["out"] = stage.groups(prompts)
+        except BaseException as error:  # noqa: BLE001 (raised again by wait, in the loop's thread)
+            self._done["error"] = error
+
+    def wait(self) -> tuple[list[RolloutResult], RolloutStats, float]:
+        """The results and stats (``wall_s``: from this call to the last result), and how long the
+        requests were out before it (seconds).
+
+        Raises:
+            Exception: whatever the rollout raised.
+        """
+        waited_from = time.monotonic()
+        self._thread.join()
+        if "error" in self._done:
+            raise self._done["error"]
+        results, stats = self._done["out"]
+        waited = time.monotonic() - waited_from
+        return results, dataclasses.replace(stats, wall_s=waited), waited_from - self.sent
+
+
 class SyncCollector:
     """The sync loop's collection: roll out and preprocess the next prompts (see :meth:`__call__`)."""
 
     def __init__(self, stages: Stages) -> None:
         self.stages = stages
         self._rows = sync_row_order(len(stages.data.train_rows), stages.recipe.seed)
+        self._queued: QueuedRollout | None = None
+
+    def queue_next(self) -> None:
+        """Send the next step's first round of rollouts now (``rollout.queue_next_step``: vLLM
+        sleeps and queues them); the next :meth:`__call__` waits for them."""
+        if self._queued is not None:
+            raise RuntimeError("queue_next: the rollouts sent ahead before were not collected")
+        self._queued = QueuedRollout(self.stages.rollout, self.next_prompts())
 
     def next_prompts(self) -> list[dict[str, Any]]:
         """The next ``prompts_per_step`` training rows; each pass over the rows is reshuffled."""
@@ -93,6 +139,10 @@ class SyncCollector:
         round's rollouts, preprocessing counts summed over the rounds (means averaged);
         ``dynamic/rounds``, ``dynamic/groups_dropped`` and ``dynamic/groups_kept`` say what
         happened.
+
+        After :meth:`queue_next` the first round is the one sent ahead: the stage waits for it
+        (``rollout/wall_s`` and ``time/rollout_s`` from the wait's start) and
+        ``rollout/queued_s`` says how long it was out before.
         """
         train = self.stages.recipe.train
         wanted = self.stages.recipe.rollout.prompts_per_step
@@ -101,10 +151,15 @@ class SyncCollector:
         calls: list[RolloutStats] = []
         preprocess: dict[str, float] = {}
         dropped = rounds = 0
+        queued_s = None
         while True:
             rounds += 1
             with timed("rollout", timings, add=True):
-                round_results, stats = self.stages.rollout.groups(self.next_prompts())
+                if self._queued is not None:
+                    queued, self._queued = self._queued, None
+                    round_results, stats, queued_s = queued.wait()
+                else:
+                    round_results, stats = self.stages.rollout.groups(self.next_prompts())
             with timed("preprocess", timings, add=True):
                 round_batch, round_metrics = self.stages.preprocess(round_results)
             results += round_results
@@ -125,6 +180,8 @@ class SyncCollector:
             if name in preprocess:
                 preprocess[name] /= rounds
         metrics = collected_metrics(results, RolloutStats.combined(calls), preprocess)
+        if queued_s is not None:
+            metrics["rollout/queued_s"] = queued_s
         if train.dynamic_sampling:
             metrics |= {
                 "dynamic/rounds": float(rounds),

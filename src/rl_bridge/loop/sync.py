@@ -45,7 +45,10 @@ def run_sync(recipe: Recipe, *, overwrite: bool = False) -> dict[str, Any]:
         for step in range(1, recipe.train.steps + 1):
             timings: dict[str, float] = {}
             batch, metrics = collect(timings)
-            metrics |= learn(stages, step, batch.samples, timings)
+            ahead = recipe.rollout.queue_next_step and step < recipe.train.steps
+            metrics |= learn(
+                stages, step, batch.samples, timings, queue_next=collect.queue_next if ahead else None
+            )
             if run.step_done(step, metrics, timings):
                 break
         serving = run.end(step)

@@ -40,7 +40,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,7 +100,12 @@ class RefitClient:
         """That server's process start time when it was stamped (a restart serves the default)."""
 
     def refit(
-        self, weights_path: str | os.PathLike[str], *, version: str, pause_mode: PauseMode = "wait"
+        self,
+        weights_path: str | os.PathLike[str],
+        *,
+        version: str,
+        pause_mode: PauseMode = "wait",
+        resume: bool = True,
     ) -> RefitResult:
         """Load the weights in ``weights_path`` and serve them as ``version``.
 
@@ -109,6 +114,8 @@ class RefitClient:
                 ``config.json``), as a path on the server's machine.
             version: the weight version to report from now on (e.g. the training step).
             pause_mode: what happens to requests running when the refit starts.
+            resume: resume generation at the end; ``False`` leaves the server paused for the
+                caller to resume (waking vLLM's KV cache resumes it too).
 
         Raises:
             RefitError: a step failed (the server is then left paused, except when the pause
@@ -123,7 +130,7 @@ class RefitClient:
                 step=f"reload_weights from {path}",
             )
 
-        return self.refit_with(reload, version=version, pause_mode=pause_mode, source=path)
+        return self.refit_with(reload, version=version, pause_mode=pause_mode, source=path, resume=resume)
 
     def refit_with(
         self,
@@ -132,6 +139,7 @@ class RefitClient:
         version: str,
         pause_mode: PauseMode = "wait",
         source: str = "memory",
+        resume: bool = True,
     ) -> RefitResult:
         """Steps 1 and 3-5 of a refit around ``load``, which replaces the weights (step 2): a disk
         reload, or an in-memory transfer through vLLM's weight-transfer API driven by a trainer
@@ -140,7 +148,7 @@ class RefitClient:
 
         Raises:
             RefitError: as :meth:`refit`; an exception of ``load`` becomes one naming the server
-                left paused.
+                left paused. ``resume``: as :meth:`refit`.
         """
         started = time.monotonic()
         self._post("/pause?" + urllib.parse.urlencode({"mode": pause_mode}), step="pause")
@@ -168,7 +176,8 @@ class RefitClient:
                 f"{error}. The server is left paused with possibly partial weights: refit again, "
                 "or call resume() to serve what is loaded."
             ) from error
-        self.resume()
+        if resume:
+            self.resume()
         paused_s = time.monotonic() - started
         served = self.weight_version()
         if served != version:
@@ -286,9 +295,13 @@ class RefitClient:
             raise ValueError(f"sleep: level must be 1 or 2, got {level}")
         self._post(f"/sleep?level={level}", step=f"sleep (level {level})")
 
-    def wake_up(self) -> None:
-        """``POST /wake_up``: weights and KV cache back on the device, generation possible again."""
-        self._post("/wake_up", step="wake up")
+    def wake_up(self, tags: Sequence[str] = ()) -> None:
+        """``POST /wake_up``: weights and KV cache back on the device, generation possible again.
+        With ``tags`` (vLLM's ``"weights"``, ``"kv_cache"``) only those: vLLM resumes its scheduler
+        once nothing sleeps, so waking the weights alone lets a refit run with requests queued that
+        must not start before it."""
+        query = "?" + urllib.parse.urlencode([("tags", tag) for tag in tags]) if tags else ""
+        self._post(f"/wake_up{query}", step=f"wake up {' and '.join(tags) or 'everything'}")
 
     def is_sleeping(self) -> bool:
         """``GET /is_sleeping``."""

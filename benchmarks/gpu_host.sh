@@ -84,7 +84,7 @@
 #              timed from the resume (--queued: the rollout if the loop posted it while the policy
 #              trains); then one profiled batch of each, a primer request taking the profiler's
 #              start-up, vLLM's step scopes in the trace. About 11 minutes after the install
-#   rollout_queued  the same pairing for stock and ours alone, six rounds, ours also queued: the paired
+#   rollout_queued  the same pairing for stock and ours alone, six rounds (REPEATS=N: N), ours also queued: the paired
 #              ratios and ours-queued without the renderer-thread server and the profile
 #   stock      stock LLM.generate alone on the rollout benchmark's requests, three times (both ways): stock's
 #              time on a host whose time allows one loop run and little else
@@ -224,7 +224,7 @@ for name in "${jobs[@]}"; do
       --configs stock,ours,direct --repeats 8 --stock-alongside --queued \
       --variant "rw4: model.vllm_api_servers=1 model.vllm_renderer_workers=4" \
       --profile "${TMPDIR:-/tmp}/rollout_paired_traces" --json "$out/rollout_paired.json" ;;
-    rollout_queued) job rollout_queued 600 "$py" benchmarks/rollout.py --configs stock,ours --repeats 6 \
+    rollout_queued) job rollout_queued 600 "$py" benchmarks/rollout.py --configs stock,ours --repeats "${REPEATS:-6}" \
       --stock-alongside --queued --json "$out/rollout_queued.json" ;;
     stock) job stock 400 "$py" benchmarks/rollout.py --configs stock --repeats 3 --json "$out/stock.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \

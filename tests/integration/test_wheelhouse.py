@@ -27,8 +27,9 @@ def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp
     python = _base_python()
     src = tmp_path / "src"
     src.mkdir()
+    alpha = {"alpha/__init__.py": b"", "alpha/unused.py": b"", "alpha/fa2.so": b"x" * 100}
     files = [
-        (make_wheel(src, "alpha", "1.0", {"alpha/__init__.py": b"", "alpha/fa2.so": b"x" * 100}), ["main"]),
+        (make_wheel(src, "alpha", "1.0", alpha), ["main"]),
         (make_wheel(src, "beta", "2.0", {"beta/__init__.py": b""}), ["gym"]),
         (make_wheel(src, "shared", "0.1", {"shared/__init__.py": b""}), ["gym", "main"]),
     ]
@@ -51,7 +52,7 @@ def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp
     assert [p["file"] for p in manifest["parts"]] == ["wheels.tar.000"] and not (out / "wheels").exists()
     assert manifest["wheels"][0]["note"].startswith("without alpha/fa2.so")
 
-    env = {**os.environ, "PYTHON": python, "PYTHONPATH": str(image)}
+    env = {**os.environ, "PYTHON": python, "PYTHONPATH": str(image), "PYTHONDONTWRITEBYTECODE": "1"}
     prefix = tmp_path / "prefix"
     for _ in range(2):  # idempotent
         run = subprocess.run(
@@ -64,6 +65,10 @@ def test_wheelhouse_in_parts_installs_offline_into_two_venvs_and_keeps_torch(tmp
     assert probe == {"version": "2.11.0+fake", "path": str((image / "torch" / "__init__.py").resolve())}
     main_site = next((prefix / "main" / "lib").glob("python3.12/site-packages"))
     assert (main_site / "alpha").is_dir() and not (main_site / "alpha" / "fa2.so").exists()
+    # Every module compiled at install (compileall on every core, not pip's one process), even the
+    # ones no check imports and with PYTHONDONTWRITEBYTECODE set (below): no run compiles at import.
+    compiled = {path.name.split(".")[0] for path in (main_site / "alpha").glob("__pycache__/*.pyc")}
+    assert compiled == {"__init__", "unused"}, compiled
     assert not (main_site / "beta").exists() and not (prefix / ".wheelhouse").exists()
 
     # A damaged part is refused before anything is installed.

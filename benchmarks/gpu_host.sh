@@ -84,10 +84,11 @@
 #              timed from the resume (--queued: the rollout if the loop posted it while the policy
 #              trains); then one profiled batch of each, a primer request taking the profiler's
 #              start-up, vLLM's step scopes in the trace. About 11 minutes after the install
-#   rollout_queued  the same pairing for stock and ours alone, six rounds (REPEATS=N: N), ours also queued: the paired
-#              ratios and ours-queued without the renderer-thread server and the profile
-#   stock      stock LLM.generate alone on the rollout benchmark's requests, three times (both ways): stock's
-#              time on a host whose time allows one loop run and little else
+#   rollout_queued  the same pairing for stock and ours alone, six rounds (REPEATS=N: N), ours also
+#              queued: the paired ratios and ours-queued, without the renderer-thread server and the
+#              profile. About 5 minutes after the install
+#   stock      stock LLM.generate alone on the rollout benchmark's requests, three times (both ways):
+#              stock's time on a host whose time allows one loop run and little else
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server

@@ -87,8 +87,6 @@
 #   rollout_queued  the same pairing for stock and ours alone, six rounds (REPEATS=N: N), ours also
 #              queued: the paired ratios and ours-queued, without the renderer-thread server and the
 #              profile. About 5 minutes after the install
-#   stock      stock LLM.generate alone on the rollout benchmark's requests, three times (both ways):
-#              stock's time on a host whose time allows one loop run and little else
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -227,7 +225,6 @@ for name in "${jobs[@]}"; do
       --profile "${TMPDIR:-/tmp}/rollout_paired_traces" --json "$out/rollout_paired.json" ;;
     rollout_queued) job rollout_queued 600 "$py" benchmarks/rollout.py --configs stock,ours --repeats "${REPEATS:-6}" \
       --stock-alongside --queued --json "$out/rollout_queued.json" ;;
-    stock) job stock 400 "$py" benchmarks/rollout.py --configs stock --repeats 3 --json "$out/stock.json" ;;
     rollout_threads) job rollout_threads 600 env OMP_NUM_THREADS=4 "$py" benchmarks/rollout.py \
       --configs stock,ours,direct --repeats 5 --json "$out/rollout_threads.json" ;;
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \

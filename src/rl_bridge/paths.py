@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "gym_python", "gym_servers_root", "project_root"]
+__all__ = ["cache_dir", "gym_python", "gym_search_roots", "gym_servers_root", "is_site_dir", "project_root"]
 
 
 def project_root() -> Path:
@@ -40,6 +40,23 @@ def gym_servers_root() -> Path:
     import gym_video_env
 
     return Path(gym_video_env.__file__).resolve().parent.parent
+
+
+def is_site_dir(path: Path) -> bool:
+    """Whether ``path`` is an environment's package directory (``site-packages``, ``dist-packages``)."""
+    return Path(path).name in ("site-packages", "dist-packages")
+
+
+def gym_search_roots() -> list[Path]:
+    """The roots to hand NeMo Gym (``NEMO_GYM_EXTRA_ROOTS``) so it finds this package's servers.
+
+    The checkout's ``src`` in an editable install. None in a wheel install: there the Gym environment
+    has this package installed too, and Gym searches the site-packages it is installed in. Gym puts
+    its extra roots at the front of ``sys.path``, so this environment's site-packages there would
+    shadow the Gym environment's own packages (its pinned openai, for one) with ours.
+    """
+    root = gym_servers_root()
+    return [] if is_site_dir(root) else [root]
 
 
 def gym_python() -> Path:

@@ -193,6 +193,18 @@ def test_resolution_reports_gym_config_errors(tmp_path: Path) -> None:
         resolve_gym_config([agent], run_dir=tmp_path)
 
 
+def test_a_site_packages_search_root_is_refused(tmp_path: Path) -> None:
+    """Gym puts its search roots at the front of sys.path; another environment's packages there
+    would replace the Gym environment's own (its openai, pydantic, ...)."""
+    spec = video_model_server_spec(
+        "video_model", openai_url="http://127.0.0.1:9/v1", model="policy", media_root=tmp_path
+    )
+    site = tmp_path / "venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"must not be an environment's packages \(.*site-packages\)"):
+        resolve_gym_config([spec], run_dir=tmp_path / "gym", extra_roots=[site])
+
+
 def test_a_video_model_server_with_an_unknown_media_handler_fails_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

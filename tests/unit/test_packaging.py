@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rl_bridge import paths
 from rl_bridge.paths import gym_python, project_root
 
 pytestmark = pytest.mark.unit
@@ -93,3 +94,18 @@ def test_gym_environment_sees_the_package_and_its_entry_points() -> None:
     result = _run_python(code, str(python))
     assert result.returncode == 0, result.stderr
     assert "input_video" in result.stdout
+
+
+def test_gym_search_roots_are_the_checkout_in_an_editable_install() -> None:
+    assert paths.gym_search_roots() == [project_root() / "src"]
+
+
+@pytest.mark.parametrize("site", ["site-packages", "dist-packages"])
+def test_gym_search_roots_are_none_in_a_wheel_install(
+    site: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gym would put a root at the front of its sys.path: this environment's site-packages there
+    shadows the Gym environment's own packages (its pinned openai), so a wheel install passes none
+    and Gym finds the servers where the Gym environment has this package installed."""
+    monkeypatch.setattr(paths, "gym_servers_root", lambda: tmp_path / "lib" / "python3.12" / site)
+    assert paths.gym_search_roots() == []

@@ -40,7 +40,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
         rl_bridge.placement.PlacementError: the plan does not fit this host.
         rl_bridge.services.process.ServiceError: a server did not start.
     """
-    from rl_bridge.paths import gym_servers_root
+    from rl_bridge.paths import gym_search_roots
     from rl_bridge.placement import Hardware, plan_placement
     from rl_bridge.services.gym_server import start_gym_servers
     from rl_bridge.services.vllm_server import start_vllm_server
@@ -72,7 +72,7 @@ def start_local_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles
     )
     gym = stack.enter_context(
         start_gym_servers(
-            specs, run_dir=run_dir / "logs" / "gym", extra_roots=[gym_servers_root()], timeout_s=600
+            specs, run_dir=run_dir / "logs" / "gym", extra_roots=gym_search_roots(), timeout_s=600
         )
     )
     colocated_gpus = recipe.model.placement == "colocated" and recipe.model.vllm_gpus > 0

@@ -386,7 +386,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
 
     from rl_bridge.backends.ray_hardware import ray_cluster_hardware
     from rl_bridge.megatron.distributed import RankEnvironment
-    from rl_bridge.paths import gym_servers_root
+    from rl_bridge.paths import gym_search_roots
     from rl_bridge.placement import plan_placement
 
     cluster = recipe.cluster
@@ -473,7 +473,7 @@ def start_ray_roles(recipe: Recipe, data: TaskData, stack: ExitStack) -> Roles:
         specs,
         agents,
         str(run_dir / "logs" / "gym"),
-        [str(gym_servers_root())],
+        [str(root) for root in gym_search_roots()],
         expose=nodes["gym"]["node_id"] != driver_node,
     )
     gym_started, *layouts = _gather([("gym", gym_ref), *setup])

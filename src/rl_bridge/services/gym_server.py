@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from rl_bridge.paths import gym_python
+from rl_bridge.paths import gym_python, is_site_dir
 from rl_bridge.services.process import ManagedProcess, ServiceError, free_port, wait_for_http
 
 __all__ = [
@@ -171,10 +171,12 @@ def resolve_gym_config(
         run_dir: directory for this set of servers (config request, results, caches, logs).
         global_fields: top-level config keys, e.g. ``policy_base_url`` for ``${policy_base_url}``.
         extra_roots: directories laid out like Gym's (``<root>/<server_type>/<implementation>``)
-            searched before the installed nemo-gym, as with ``NEMO_GYM_EXTRA_ROOTS``.
+            searched before the installed nemo-gym, as with ``NEMO_GYM_EXTRA_ROOTS``; never a
+            site-packages directory (Gym puts these roots on the front of ``sys.path``).
         timeout_s: limit for the resolution subprocess, in seconds.
 
     Raises:
+        ValueError: repeated server names, or a search root that is a site-packages directory.
         ServiceError: Gym rejected the config (its message is included) or a server directory is
             missing.
     """
@@ -185,6 +187,14 @@ def resolve_gym_config(
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     roots = tuple(Path(root).resolve() for root in extra_roots)
+    shadowing = [str(root) for root in roots if is_site_dir(root)]
+    if shadowing:
+        raise ValueError(
+            f"Gym search roots must not be an environment's packages ({', '.join(shadowing)}): NeMo Gym "
+            "puts its extra roots at the front of sys.path, where they would shadow the Gym environment's "
+            "own packages. Pass the directory holding the server directories, or none for a package "
+            "installed in the Gym environment (see rl_bridge.paths.gym_search_roots)."
+        )
 
     initial: dict[str, Any] = {
         "default_host": LOOPBACK,

@@ -20,6 +20,7 @@
 #              rollouts sent while vLLM sleeps (their clips processed during training), the weights
 #              woken alone for the refit and the KV cache after it; time/rollout_s is then the wait
 #              from the resume, rollout/queued_s the time before it
+#              (STEPS=N: N steps, validated at the last)
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
 #              it (a group's identical first turns sent as one request with n,
@@ -171,7 +172,7 @@ for name in "${jobs[@]}"; do
     r3b_as4|r3b_h100_as4) job "$name" 900 r3bx "$(r3b_recipe "$name")" as4 model.vllm_api_servers=4 \
       rollout.coalesce_window_ms=200 ;;
     r3b_queued|r3b_h100_queued) job "$name" 900 r3bx "$(r3b_recipe "$name")" queued \
-      rollout.queue_next_step=true ;;
+      rollout.queue_next_step=true ${STEPS:+train.steps=$STEPS validation.every=$STEPS} ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;
     rollout_gym) job rollout_gym 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
       --variant "neither: rollout.coalesce_window_ms=0 rollout.gym_workers=1" \

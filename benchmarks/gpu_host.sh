@@ -91,6 +91,9 @@
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
+#   stock_flags  stock LLM.generate at its defaults, then with the engine settings ours' server adds
+#              (sleep mode, processed logprobs): whether one of them costs the engine's steps
+#              (about 5 minutes)
 #   ipc_refcount  benchmarks/ipc_refcount.py: with torch alone, whether the trainer gets its packed
 #              ipc refit buffer back after each refit when vLLM 0.26's worker releases it per chunk,
 #              exported once (vLLM's packer) against once per chunk (this package's)
@@ -231,6 +234,10 @@ for name in "${jobs[@]}"; do
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;
+    stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats 6 \
+      --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats 6 \
+      --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \
+      --json $out/stock_flags_ours.json" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;
     r3b_fp32) job r3b_fp32 900 bash -c 'video-grpo train --overwrite -r recipes/qwen2_5_vl_3b_1gpu.yaml \
       run_dir=runs/r3b_fp32 model.dtype=float32 train.steps=1 train.micro_batch_size=1 validation.every=0; \

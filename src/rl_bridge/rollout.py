@@ -49,7 +49,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -321,6 +321,31 @@ async def _run_once(session: aiohttp.ClientSession, url: str, row: Mapping[str, 
     return body
 
 
+async def _clock_started(clock: threading.Event) -> None:
+    """Returns once ``clock`` is set (polled: a wait of seconds to minutes, read to 50 ms)."""
+    while not clock.is_set():
+        await asyncio.sleep(0.05)
+
+
+async def _answer_within(
+    answer: Awaitable[dict[str, Any]], timeout_s: float, clock: asyncio.Task[None]
+) -> dict[str, Any]:
+    """``answer``, allowed ``timeout_s`` seconds from when ``clock`` finishes (from now if it has).
+
+    Raises:
+        _InfraError: no answer within that time (the request is cancelled).
+    """
+    request = asyncio.ensure_future(answer)
+    try:
+        if not clock.done():
+            await asyncio.wait((request, clock), return_when=asyncio.FIRST_COMPLETED)
+        return await asyncio.wait_for(request, timeout_s)
+    except TimeoutError as error:
+        raise _InfraError(f"TimeoutError: no answer within {timeout_s:g} s of vLLM's wake") from error
+    finally:
+        request.cancel()
+
+
 def collect_rollouts(
     agent_url: str | Sequence[str],
     rows: Sequence[Mapping[str, Any]],
@@ -329,6 +354,7 @@ def collect_rollouts(
     supervisor: ServerGuard | None = None,
     on_done: Callable[[RolloutResult], None] | None = None,
     order: Sequence[int] | None = None,
+    clock: threading.Event | None = None,
 ) -> tuple[list[RolloutResult], RolloutStats]:
     """Run every row through ``<agent_url>/run``; see the module docstring for the outcomes.
 
@@ -344,6 +370,10 @@ def collect_rollouts(
         on_done: called in the caller's thread once per finished row (e.g. to advance a progress bar).
         order: the row indices in the order they are posted (a permutation of the rows);
             ``None``: row order. With ``max_in_flight`` below the row count, the first ones go first.
+        clock: for requests sent to a vLLM that holds them (asleep, ``rollout.queue_next_step``):
+            each request's ``timeout_s`` counts from when this is set (the loop sets it when vLLM's
+            KV cache wakes) instead of from its send, so the time they wait through the policy's
+            training is not counted. ``None``: from the send.
 
     Returns:
         One result per row, in row order, and the call's counts.
@@ -394,7 +424,12 @@ def collect_rollouts(
                 try:
                     async with _dispatched(supervisor, key, blocking) as held:
                         try:
-                            result = await _run_once(session, url, row)
+                            if clock_task is None:
+                                result = await _run_once(session, url, row)
+                            else:
+                                result = await _answer_within(
+                                    _run_once(session, url, row), settings.timeout_s, clock_task
+                                )
                         except _ContentError as failure:
                             error = str(failure)
                             return RolloutResult(
@@ -424,6 +459,7 @@ def collect_rollouts(
     finished: queue.SimpleQueue[RolloutResult | BaseException] = queue.SimpleQueue()
     tasks: list[asyncio.Task[RolloutResult]] = []
     loop = asyncio.new_event_loop()
+    clock_task: asyncio.Task[None] | None = None
 
     def cancel() -> None:
         for task in tasks:
@@ -436,8 +472,12 @@ def collect_rollouts(
             if supervisor is not None
             else None
         )
+        nonlocal clock_task
         connector = aiohttp.TCPConnector(limit=settings.max_in_flight)
-        timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+        # With a clock, _answer_within times each request from it; the session's own limit is off.
+        timeout = aiohttp.ClientTimeout(total=settings.timeout_s if clock is None else None)
+        if clock is not None:
+            clock_task = asyncio.create_task(_clock_started(clock))
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
                 tasks.extend(
@@ -449,6 +489,8 @@ def collect_rollouts(
             finished.put(failure)
             cancel()
         finally:
+            if clock_task is not None:
+                clock_task.cancel()
             if blocking is not None:
                 blocking.shutdown(wait=False, cancel_futures=True)
 

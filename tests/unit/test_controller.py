@@ -408,8 +408,21 @@ def test_with_the_next_step_queued_only_the_weights_wake_for_the_refit_and_the_k
     controller.refit.weights_dir = tmp_path / "weights"
     policy.save_hf_checkpoint = lambda target: target.mkdir(parents=True)  # type: ignore[attr-defined]
     timings: dict[str, float] = {}
-    queue = lambda: client.calls.append(("queue", ""))  # noqa: E731
+    woken = threading.Event()
+
+    def queue() -> threading.Event:
+        client.calls.append(("queue", ""))
+        return woken
+
+    client_wake_up, set_at_wake = client.wake_up, []
+
+    def wake_up(tags: Any = ()) -> None:
+        set_at_wake.append(woken.is_set())
+        client_wake_up(tags)
+
+    client.wake_up = wake_up  # type: ignore[method-assign]
     metrics = learn(controller, 1, [_sample(i) for i in range(4)], timings, queue_next=queue)
+    assert set_at_wake == [False, False] and woken.is_set()  # the queued timeout starts after both wakes
     refit = "refit_with" if transport == "memory" else "refit"
     assert client.calls == [
         ("sleep", "1"),
@@ -437,8 +450,9 @@ def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_r
     release = threading.Event()
     rounds = iter([[[0.0, 0.0]], [[1.0, 0.0]]])  # the queued round has no signal: a second round follows
 
-    def rollout(prompts: Any) -> tuple[list[RolloutResult], RolloutStats]:
+    def rollout(prompts: Any, clock: Any = None) -> tuple[list[RolloutResult], RolloutStats]:
         calls.append(f"groups {prompts}")
+        assert (clock is not None) == (prompts == ["ahead"])  # only the queued round waits for a wake
         if prompts == ["ahead"]:
             release.wait(timeout=10)  # vLLM holds the queued requests until it wakes
         return _results(next(rounds)), RolloutStats(rows=2, wall_s=99.0)
@@ -451,7 +465,8 @@ def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_r
     collect = SyncCollector(controller)
     prompts = iter([["ahead"], ["second round"]])
     collect.next_prompts = lambda: next(prompts)  # type: ignore[method-assign]
-    collect.queue_next()
+    woken = collect.queue_next()
+    assert isinstance(woken, threading.Event) and not woken.is_set()
     with pytest.raises(RuntimeError, match="not collected"):
         collect.queue_next()
     threading.Timer(0.2, release.set).start()

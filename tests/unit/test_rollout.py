@@ -64,7 +64,7 @@ def _serve_agent() -> Iterator[tuple[str, _Agent]]:
                 state.arrived.setdefault(row["id"], time.monotonic())
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
-            time.sleep(0.02)
+            time.sleep(row.get("delay_s", 0.02))
             plan = row["plan"]
             status = plan[min(attempt, len(plan) - 1)]
             body = json.dumps({**row, "reward": 1.0} if status == 200 else {"error": "x"}).encode()
@@ -285,6 +285,31 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
     assert [r.reward for r in results if r.outcome == "ok"] == [1.0] * 6
     assert all(r.error for r in results if r.outcome not in ("ok", "policy_fault"))
     assert 1 < state.max_in_flight <= 4
+
+
+def test_with_a_clock_a_requests_timeout_counts_from_when_it_is_set(agent: tuple[str, _Agent]) -> None:
+    """Rollouts queued while vLLM sleeps wait through the training: their timeout starts at the
+    wake (the clock), not at their send."""
+    url, _ = agent
+    rows = [{"id": k, "plan": [200], "delay_s": 0.8} for k in range(3)]
+    settings = RolloutSettings(max_in_flight=4, max_attempts=1, timeout_s=0.5)
+    results, _ = collect_rollouts(url, rows, settings)  # from the send: each answer comes too late
+    assert [r.outcome for r in results] == ["infra_failed"] * 3
+    assert all("TimeoutError" in (r.error or "") for r in results)
+
+    clock = threading.Event()
+    threading.Timer(0.5, clock.set).start()  # answers at +0.8 s, within 0.5 s of the clock's +0.5 s
+    results, _ = collect_rollouts(url, rows, settings, clock=clock)
+    assert [r.outcome for r in results] == ["ok"] * 3
+
+    late = threading.Event()
+    slow = [{"id": k, "plan": [200], "delay_s": 1.5} for k in range(2)]
+    threading.Timer(0.2, late.set).start()  # answers at +1.5 s, past the clock's +0.2 s + 0.5 s
+    started = time.monotonic()
+    results, _ = collect_rollouts(url, slow, settings, clock=late)
+    assert [r.outcome for r in results] == ["infra_failed"] * 2
+    assert "within 0.5 s of vLLM's wake" in (results[0].error or "")
+    assert time.monotonic() - started < 1.4  # given up at about +0.7 s, not waited out
 
 
 def test_connection_refused_is_an_infra_failure() -> None:

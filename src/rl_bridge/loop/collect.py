@@ -77,11 +77,13 @@ def preprocess_groups(stages: Stages, groups: Sequence[Group]) -> tuple[StepBatc
 class QueuedRollout:
     """A step's first round of rollouts sent ahead (``rollout.queue_next_step``): the rollout
     stage's :meth:`~rl_bridge.loop.stages.rollout.RolloutStage.groups` on a daemon thread (a run
-    that ends early does not wait for it), collected by :meth:`wait`."""
+    that ends early does not wait for it), collected by :meth:`wait`. Their ``rollout.timeout_s``
+    counts from when :attr:`woken` is set (vLLM's KV cache woke), not through the training."""
 
     def __init__(self, stage: Any, prompts: list[dict[str, Any]]) -> None:
         self._done: dict[str, Any] = {}
         self.sent = time.monotonic()
+        self.woken = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(stage, prompts), name="queued-rollout", daemon=True
         )
@@ -89,7 +91,7 @@ class QueuedRollout:
 
     def _run(self, stage: Any, prompts: list[dict[str, Any]]) -> None:
         try:
-            self._done["out"] = stage.groups(prompts)
+            self._done["out"] = stage.groups(prompts, clock=self.woken)
         except BaseException as error:  # noqa: BLE001 (raised again by wait, in the loop's thread)
             self._done["error"] = error
 
@@ -117,12 +119,14 @@ class SyncCollector:
         self._rows = sync_row_order(len(stages.data.train_rows), stages.recipe.seed)
         self._queued: QueuedRollout | None = None
 
-    def queue_next(self) -> None:
+    def queue_next(self) -> threading.Event:
         """Send the next step's first round of rollouts now (``rollout.queue_next_step``: vLLM
-        sleeps and queues them); the next :meth:`__call__` waits for them."""
+        sleeps and queues them); the next :meth:`__call__` waits for them. Returns the event to
+        set once vLLM's KV cache woke: their ``rollout.timeout_s`` counts from then."""
         if self._queued is not None:
             raise RuntimeError("queue_next: the rollouts sent ahead before were not collected")
         self._queued = QueuedRollout(self.stages.rollout, self.next_prompts())
+        return self._queued.woken
 
     def next_prompts(self) -> list[dict[str, Any]]:
         """The next ``prompts_per_step`` training rows; each pass over the rows is reshuffled."""

@@ -5,6 +5,7 @@ requests continue, ``async.refit_pause_mode``)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,7 @@ def learn(
     timings: dict[str, float],
     *,
     pause_mode: PauseMode = "wait",
-    queue_next: Callable[[], None] | None = None,
+    queue_next: Callable[[], threading.Event] | None = None,
 ) -> dict[str, float]:
     """Logprobs, train and refit (as version ``step-<step>``) on a step's samples, each timed in
     ``timings``; returns the train and refit metrics. The weights lock is held throughout, so a
@@ -87,14 +88,16 @@ def learn(
 
     ``queue_next`` (``rollout.queue_next_step``, colocated): called once vLLM sleeps, to send the
     next step's rollouts, which vLLM queues; its weights alone wake for the refit, and its KV cache
-    wakes after it, which starts the queued requests on the new weights."""
+    wakes after it, which starts the queued requests on the new weights. The event it returns is
+    set then: the queued requests' timeout counts from it."""
     queued = queue_next is not None
     if queued and stages.recipe.model.placement != "colocated":
         raise ValueError("learn: queue_next needs model.placement='colocated' (vLLM asleep queues requests)")
+    woken: threading.Event | None = None
     with stages.refit.lock:
         with stages.refit.generation_asleep(timings, queued=queued):
             if queue_next is not None:
-                queue_next()
+                woken = queue_next()
             with timed("logprobs", timings):
                 samples = stages.logprobs(samples)
             with timed("train", timings):
@@ -102,6 +105,7 @@ def learn(
         with timed("refit", timings):
             trained = train_metrics["train/optimizer_steps"] > 0
             refit_metrics = stages.refit(step, pause_mode=pause_mode, trained=trained, resume=not queued)
-        if queued:
+        if woken is not None:
             stages.refit.wake_queued(timings)
+            woken.set()
     return {**train_metrics, **refit_metrics}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -154,13 +155,15 @@ class RolloutStage:
         temperature: float,
         training: bool = True,
         order: Sequence[int] | None = None,
+        clock: threading.Event | None = None,
     ) -> tuple[list[RolloutResult], RolloutStats]:
         """Each row once at ``temperature`` (the recipe's output length), posted in ``order`` (row
         order by default); a training row that failed is recorded in the masked log (held-out
-        rows, ``training=False``, are not)."""
+        rows, ``training=False``, are not). ``clock``: as for
+        :func:`~rl_bridge.rollout.collect_rollouts` (requests vLLM holds while it sleeps)."""
         rows = [with_sampling(row, temperature, self.recipe.rollout.max_output_tokens) for row in rows]
         results, stats = collect_rollouts(
-            self.agent_url, rows, self.settings, supervisor=self.supervisor, order=order
+            self.agent_url, rows, self.settings, supervisor=self.supervisor, order=order, clock=clock
         )
         if training:
             self.masked.write(
@@ -168,14 +171,18 @@ class RolloutStage:
             )
         return results, stats
 
-    def groups(self, prompts: Sequence[Mapping[str, Any]]) -> tuple[list[RolloutResult], RolloutStats]:
+    def groups(
+        self, prompts: Sequence[Mapping[str, Any]], *, clock: threading.Event | None = None
+    ) -> tuple[list[RolloutResult], RolloutStats]:
         """``rollout.group_size`` samples of every prompt at the recipe's temperature, groups
-        contiguous. With ``rollout.declare_groups``, :func:`declared_groups`' rows and order."""
+        contiguous. With ``rollout.declare_groups``, :func:`declared_groups`' rows and order.
+        ``clock``: as for :meth:`generate`."""
         r = self.recipe.rollout
         if r.declare_groups:
             rows, order = declared_groups(prompts, r.group_size)
-            return self.generate(rows, temperature=r.temperature, order=order)
-        return self.generate([p for p in prompts for _ in range(r.group_size)], temperature=r.temperature)
+            return self.generate(rows, temperature=r.temperature, order=order, clock=clock)
+        rows = [p for p in prompts for _ in range(r.group_size)]
+        return self.generate(rows, temperature=r.temperature, clock=clock)
 
 
 def dispatch_settings(section: RolloutSection) -> RolloutSettings:

@@ -1398,6 +1398,50 @@ def table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+ENGINE_CONFIG = re.compile(r"Initializing a V1 LLM engine \(v[^)]*\) with config: (.*)")
+ENGINE_NOTES = re.compile(
+    r"(non-default args: .*|Asynchronous scheduling is \w+\.|Chunked prefill is enabled .*)"
+)
+
+
+def engine_configs(log_root: Path, since: float) -> dict[str, Any]:
+    """vLLM's own account of each engine this run started (its log written after ``since``, a
+    Unix time): the engine config it printed, parsed into fields, with the fields on which the
+    engines differ, and its lines on non-default arguments, asynchronous scheduling and chunked
+    prefill. Where ours loses to stock inside vLLM's steps, a setting the servers run with is the
+    first thing to rule out."""
+    fields: dict[str, dict[str, str]] = {}
+    notes: dict[str, list[str]] = {}
+    for log in sorted(log_root.glob("**/*.log")):
+        if log.stat().st_mtime < since:
+            continue
+        text = log.read_text(errors="replace")
+        found = ENGINE_CONFIG.search(text)
+        if found is None:
+            continue
+        name = str(log.relative_to(log_root))
+        pairs = (item.partition("=") for item in re.split(r", (?=\w+=)", found.group(1).strip()))
+        fields[name] = {key: value for key, _, value in pairs}
+        notes[name] = sorted({match.group(1).strip() for match in ENGINE_NOTES.finditer(text)})
+    keys = sorted({key for config in fields.values() for key in config})
+    differ = {
+        key: {name: config.get(key, "") for name, config in fields.items()}
+        for key in keys
+        if key not in ("model", "tokenizer", "served_model_name")
+        and len({config.get(key, "") for config in fields.values()}) > 1
+    }
+    return {"differences": differ, "notes": notes, "fields": fields}
+
+
+def where_differ(values: dict[str, str], width: int = 60) -> str:
+    """The values of one engine-config field, each cut to ``width`` characters around where the
+    first two begin to differ."""
+    texts = list(values.values())
+    first = next((k for k, pair in enumerate(zip(*texts[:2], strict=False)) if len(set(pair)) > 1), 0)
+    start = max(0, first - width // 3)
+    return "; ".join(f"{log}: ...{text[start : start + width]}..." for log, text in values.items())
+
+
 def ratios(results: dict[str, Any]) -> dict[str, float]:
     """Per-sample time ratios (above 1: ours is faster)."""
 
@@ -1575,6 +1619,7 @@ def main() -> int:
     warmup = sampled_rows(recipe, [warm_row])
     subset = rows[: min(args.seed_samples, len(rows))]
     log_root = recipe.run_dir.resolve() / "bench_logs"
+    run_started = time.time()  # engine_configs: the logs this run wrote
     print(
         f"{len(prompts)} prompts x {recipe.rollout.group_size} samples, "
         f"up to {recipe.rollout.max_output_tokens} "
@@ -1625,6 +1670,7 @@ def main() -> int:
             "results": results,
             "ratios": ratios(results),
             "ratio_note": "per-sample wall-time ratios, other / ours (above 1: ours is faster)",
+            "engine_configs": engine_configs(log_root, run_started),
             "complete": complete,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -1726,6 +1772,8 @@ def main() -> int:
     for name, result in results.items():
         if isinstance(result.get("profile"), dict):
             print(f"{name} {profile_line(result['profile'])}")
+    for key, values in engine_configs(log_root, run_started)["differences"].items():
+        print(f"engine config {key}: {where_differ(values)}")
     write_report(results, complete=True)
     if args.json:
         print(f"wrote {args.json}")

@@ -60,6 +60,23 @@ def _gym_env() -> str:
     return f"nemo_gym {out.stdout.strip()} at {python}"
 
 
+def _gym_config() -> str:
+    """Gym's own parser, in the Gym environment, resolves this package's video model server as the
+    trainer hands it over (its search roots), as every run's first Gym step does."""
+    import tempfile
+    from pathlib import Path
+
+    from rl_bridge.paths import gym_search_roots
+    from rl_bridge.services.gym_server import resolve_gym_config, video_model_server_spec
+
+    with tempfile.TemporaryDirectory(prefix="video-grpo-doctor-") as tmp:
+        spec = video_model_server_spec(
+            "video_model", openai_url="http://127.0.0.1:9/v1", model="policy", media_root=tmp
+        )
+        config = resolve_gym_config([spec], run_dir=Path(tmp) / "gym", extra_roots=gym_search_roots())
+        return f"{spec.name} resolved, from {config.server_dirs[spec.name]}"
+
+
 def _run(name: str, probe: Callable[[], str]) -> Check:
     try:
         return Check(name, True, probe())
@@ -90,6 +107,7 @@ def run_checks(*, verbose: bool = False) -> bool:
             _run("megatron.core", _version_of("megatron.core")),
             _run("megatron.bridge", _megatron_bridge),
             _run("gym environment", _gym_env),
+            _run("gym config", _gym_config),
         ]
     width = max(len(c.name) for c in checks)
     for c in checks:

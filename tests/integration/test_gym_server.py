@@ -273,3 +273,23 @@ def test_stock_model_server_generates_for_a_video_prompt_with_token_ids(
     assert message["prompt_token_ids"].count(video_token_id) > 0
     assert 0 < len(message["generation_token_ids"]) <= 8
     assert len(message["generation_log_probs"]) == len(message["generation_token_ids"])
+
+
+def test_doctor_resolves_the_video_model_server_as_the_trainer_hands_it_to_gym() -> None:
+    from rl_bridge import doctor
+
+    check = doctor._run("gym config", doctor._gym_config)
+    assert check.ok, check.detail
+    assert check.detail.endswith("responses_api_models/video_vllm_model")
+
+
+def test_doctor_fails_on_a_search_root_that_would_shadow_the_gym_environments_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sysconfig
+
+    from rl_bridge import doctor, paths
+
+    monkeypatch.setattr(paths, "gym_search_roots", lambda: [Path(sysconfig.get_paths()["purelib"])])
+    check = doctor._run("gym config", doctor._gym_config)
+    assert not check.ok and "must not be an environment's packages" in check.detail

@@ -161,8 +161,8 @@ r3b_recipe() {  # r3b_recipe JOB: the one-GPU 3B recipe a job runs (the 80 GB ca
 export -f tiny r3b r3bx keep_run
 export out
 
-{ nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; } \
-  > "$out/host.txt" 2>&1
+{ nvidia-smi -L; "$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
+  video-grpo doctor; } > "$out/host.txt" 2>&1  # doctor: both environments, and Gym resolving our server
 for name in "${jobs[@]}"; do
   case $name in
     sanity) job sanity 300 "$py" examples/serve_and_query.py ;;

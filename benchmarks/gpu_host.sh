@@ -18,8 +18,9 @@
 #              window: the loop's own rollout stage with the front end spread over four processes
 #   r3b_queued, r3b_h100_queued  the same recipes with rollout.queue_next_step: each next step's
 #              rollouts sent while vLLM sleeps (their clips processed during training), the weights
-#              woken alone for the refit and the KV cache after it; time/rollout_s is then the wait
-#              from the resume, rollout/queued_s the time before it
+#              woken alone for the refit and the KV cache after it; time/rollout_s is then the
+#              step's wait for them, rollout/wall_s their generation from the KV cache's wake,
+#              rollout/queued_s the time before the wait
 #              (STEPS=N: N steps, validated at the last)
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
@@ -86,8 +87,9 @@
 #              trains); then one profiled batch of each, a primer request taking the profiler's
 #              start-up, vLLM's step scopes in the trace. About 11 minutes after the install
 #   rollout_queued  the same pairing for stock and ours alone, six rounds (REPEATS=N: N), ours also
-#              queued: the paired ratios and ours-queued, without the renderer-thread server and the
-#              profile. About 5 minutes after the install
+#              queued (posted while vLLM sleeps, timed from the KV cache's wake, as the loop's
+#              rollout.queue_next_step): the paired ratios and ours-queued, without the
+#              renderer-thread server and the profile. About 5 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server

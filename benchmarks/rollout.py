@@ -23,11 +23,11 @@ figure):
   (``model.vllm_api_servers``, ``model.vllm_renderer_workers``) on a vLLM server of their own,
   started after ours', which also times **direct-LABEL** (the ``grouped`` direct batch, below) when
   ``direct`` runs.
-- **ours-queued** (``--queued``): ours on its server with the batch posted while vLLM's scheduler
-  is paused (``/pause?mode=keep``), then ``/resume`` once every request has had time to reach the
-  engine's queue, timed from the resume: the rollout stage if the loop sent the next step's
-  requests while the policy trains, vLLM asleep (:func:`queued_batch`). A measurement of what
-  that would take, not a setting of the loop.
+- **ours-queued** (``--queued``): ours on its server with the batch posted while vLLM sleeps, then
+  the weights and the KV cache woken once every request has had time to reach the engine's queue,
+  timed from the KV cache's wake: the loop's rollout with ``rollout.queue_next_step``, which sends
+  the next step's requests while the policy trains (:func:`queued_batch`; the loop's own sleep
+  and wake calls, without the refit between them).
 - **direct**: ours' vLLM server with no Gym in front: the chat completions Gym's model server sends
   vLLM for the same rows (token-id capture: the chosen token's logprob, prompt and generated ids;
   the clips as ``file://`` URLs) posted straight to ``/v1/chat/completions``, as many at once as
@@ -398,8 +398,8 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
         )
     if (resumed_at := result.get("resumed_at_s")) is not None:
         lines.append(
-            f"  queued while paused: resumed at +{resumed_at:.3f} s; the batch ended "
-            f"{result['wall_s']:.3f} s after the resume (the timeline above counts from posting)"
+            f"  queued ({result.get('queued_through', 'pause')}): woke at +{resumed_at:.3f} s; the batch "
+            f"ended {result['wall_s']:.3f} s after (the timeline above counts from posting)"
         )
     if runs := result.get("runs"):
         walls = ", ".join(f"{run['wall_s']:.3f}" for run in runs)
@@ -617,23 +617,33 @@ def time_batch(
     return timer(rows, grouped=True) if label == "grouped" else timer(rows)
 
 
-QUEUE_WAIT_S = 2.0  # queued_batch: after the batch starts posting, before the resume
+QUEUE_WAIT_S = 6.0  # queued_batch: after the batch starts posting, before vLLM wakes
 
 
 def queued_batch(
     server: Any, timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """A batch whose requests reach vLLM while its scheduler is paused, as the loop's next rollout
-    could while the policy trains (vLLM asleep): ``/pause?mode=keep``, the batch posted, then
-    :data:`QUEUE_WAIT_S` for the Gym path and vLLM's front ends to carry, load and process every
-    request into the engine's queue, then ``/resume``. ``wall_s`` runs from the resume to the
-    batch's last result (the stage's time once generation may start); ``resumed_at_s`` is the
-    resume in the batch's own time (its timeline's), after the last group was sent to vLLM
-    (``timeline``'s ``last_sent_s``) when the wait sufficed. Not a setting of the loop: what such
-    a rollout would take."""
+    """A batch whose requests reach vLLM while it sleeps, as the loop's next rollout does with
+    ``rollout.queue_next_step`` (vLLM asleep while the policy trains), through the loop's own calls:
+    the server put to sleep at level 1, the batch posted, :data:`QUEUE_WAIT_S` for the Gym path
+    and vLLM's front ends to carry, load and process every request into the engine's queue, then
+    the weights woken alone and the KV cache after them, which resumes the scheduler
+    (:class:`~rl_bridge.loop.stages.refit.Refitter`). A server without sleep mode (a fallback
+    start) is paused (``/pause?mode=keep``) and resumed instead. ``wall_s`` runs from the start of
+    the KV cache's wake (or the resume) to the batch's last result, as the loop's ``rollout/wall_s``
+    of a queued round; ``resumed_at_s`` is that moment in the batch's own time (its timeline's),
+    after the last group was sent to vLLM (``timeline``'s ``last_sent_s``) when the wait sufficed;
+    ``wake_kv_cache_s`` the wake call itself."""
     import threading
 
-    requests.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
+    from rl_bridge.refit.client import RefitClient
+
+    client = RefitClient(server.base_url)
+    asleep = "--enable-sleep-mode" in server.config.extra_args
+    if asleep:
+        client.sleep(level=1)
+    else:
+        requests.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
     done: dict[str, Any] = {}
 
     def batch() -> None:
@@ -648,8 +658,14 @@ def queued_batch(
         worker.start()
         time.sleep(LATE_HORIZON_WAIT_S + QUEUE_WAIT_S)  # the timer's own wait, then the batch's
     finally:
+        if asleep:
+            client.wake_up(("weights",))
         resumed, resumed_unix = time.perf_counter(), time.time()
-        requests.post(f"{server.base_url}/resume", timeout=120).raise_for_status()
+        if asleep:
+            client.wake_up(("kv_cache",))
+        else:
+            requests.post(f"{server.base_url}/resume", timeout=120).raise_for_status()
+        woken = time.perf_counter() - resumed
     worker.join()
     if "error" in done:
         raise done["error"]
@@ -658,6 +674,8 @@ def queued_batch(
         wall_s=done["finished"] - resumed,
         resumed_at_s=resumed_unix - run["started_unix"],
         posted_to_end_s=run["wall_s"],
+        queued_through="sleep" if asleep else "pause",
+        wake_kv_cache_s=woken,
     )
     run["samples_per_s"] = run["samples"] / run["wall_s"]
     run["per_sample_s"] = run["wall_s"] / run["samples"]
@@ -1580,9 +1598,9 @@ def main() -> int:
     parser.add_argument(
         "--queued",
         action="store_true",
-        help="also time ours with its batch posted while vLLM's scheduler is paused and timed from "
-        "the resume (ours-queued, on ours' server): the rollout if the loop sent its requests while "
-        "the policy trains",
+        help="also time ours with its batch posted while vLLM sleeps and timed from its wake "
+        "(ours-queued, on ours' server): the loop's rollout with rollout.queue_next_step, whose "
+        "requests go out while the policy trains",
     )
     parser.add_argument("--stock-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help="clips and logs (default runs/bench_rollout_<recipe run name>)")

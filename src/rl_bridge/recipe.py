@@ -615,9 +615,10 @@ class RolloutSection(_Section):
     their clips at once; the loop then wakes vLLM's weights alone, refits and resets its caches,
     and only then wakes the KV cache, which resumes the scheduler: the queued requests run on the
     new weights, their clips ready. The next step's rollout stage times the wait for them
-    (``time/rollout_s``, ``rollout/wall_s``: a validation between the steps runs while they
-    generate, so then the wait is shorter than their generation) and ``rollout/queued_s`` how long
-    they were out before it; their ``timeout_s`` counts from the KV cache's wake, not through
+    (``time/rollout_s``: what they add to the step; the step's end, a validation included, runs
+    while they generate), ``rollout/wall_s`` their generation (from the start of the KV cache's
+    wake to the last result) and ``rollout/queued_s`` how long they were out before the wait;
+    their ``timeout_s`` counts from the KV cache's wake, not through
     the training (:func:`rl_bridge.rollout.collect_rollouts`' ``clock``). Only a step's first round
     of rollouts is queued (dynamic sampling's further rounds run as they would). ``False``: a
     step's rollouts are sent when its rollout stage starts."""

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -15,12 +16,13 @@ import torch
 
 from rl_bridge.backends.handles import Roles
 from rl_bridge.grpo import GRPOLossConfig
-from rl_bridge.loop.collect import SyncCollector
+from rl_bridge.loop.collect import QueuedRollout, SyncCollector
 from rl_bridge.loop.stages.preprocess import StepBatch
 from rl_bridge.loop.stages.refit import Refitter
 from rl_bridge.loop.stages.rollout import verifier_metrics
 from rl_bridge.loop.stages.train import TrainStage
 from rl_bridge.loop.step import Stages, learn
+from rl_bridge.loop.timing import WakeClock
 from rl_bridge.megatron.batch import PolicySample
 from rl_bridge.megatron.policy_loss import GRPOPolicyLoss, TrainStepMetrics
 from rl_bridge.recipe import load_recipe
@@ -408,21 +410,23 @@ def test_with_the_next_step_queued_only_the_weights_wake_for_the_refit_and_the_k
     controller.refit.weights_dir = tmp_path / "weights"
     policy.save_hf_checkpoint = lambda target: target.mkdir(parents=True)  # type: ignore[attr-defined]
     timings: dict[str, float] = {}
-    woken = threading.Event()
+    woken = WakeClock()
 
-    def queue() -> threading.Event:
+    def queue() -> WakeClock:
         client.calls.append(("queue", ""))
         return woken
 
-    client_wake_up, set_at_wake = client.wake_up, []
+    client_wake_up, set_at_wake, wake_at = client.wake_up, [], []
 
     def wake_up(tags: Any = ()) -> None:
         set_at_wake.append(woken.is_set())
+        wake_at.append(time.monotonic())
         client_wake_up(tags)
 
     client.wake_up = wake_up  # type: ignore[method-assign]
     metrics = learn(controller, 1, [_sample(i) for i in range(4)], timings, queue_next=queue)
     assert set_at_wake == [False, False] and woken.is_set()  # the queued timeout starts after both wakes
+    assert woken.since is not None and wake_at[0] < woken.since <= wake_at[1]  # generation: from the KV wake
     refit = "refit_with" if transport == "memory" else "refit"
     assert client.calls == [
         ("sleep", "1"),
@@ -466,7 +470,7 @@ def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_r
     prompts = iter([["ahead"], ["second round"]])
     collect.next_prompts = lambda: next(prompts)  # type: ignore[method-assign]
     woken = collect.queue_next()
-    assert isinstance(woken, threading.Event) and not woken.is_set()
+    assert isinstance(woken, WakeClock) and not woken.is_set()
     with pytest.raises(RuntimeError, match="not collected"):
         collect.queue_next()
     threading.Timer(0.2, release.set).start()
@@ -477,3 +481,22 @@ def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_r
     # The queued round counts the wait for it (about 0.2 s here), not its rollout's own 99 s; the
     # second round, sent when needed, its 99 s.
     assert 99.0 < metrics["rollout/wall_s"] < 99.0 + 1.0
+
+
+def test_a_queued_rounds_generation_is_timed_from_vllms_wake_however_late_the_loop_waits() -> None:
+    """``rollout/wall_s`` of a queued round: from the start of vLLM's wake to its last result, not
+    from the wait, which the step's end (its metrics, a validation) may start late."""
+    answered = threading.Event()
+
+    def groups(prompts: Any, clock: Any = None) -> tuple[list[RolloutResult], RolloutStats]:
+        assert clock.wait(timeout=10)  # vLLM holds the queued requests until it wakes
+        time.sleep(0.3)  # their generation
+        answered.set()
+        return _results([[1.0, 0.0]]), RolloutStats(rows=2, wall_s=99.0)
+
+    queued = QueuedRollout(type("Rollout", (), {"groups": staticmethod(groups)})(), [{"prompt": 0}])
+    queued.woken.start(time.monotonic())
+    assert answered.wait(timeout=10)
+    time.sleep(0.5)  # the loop comes to wait only now
+    _, stats, queued_s = queued.wait()
+    assert 0.3 <= stats.wall_s < 0.5 and queued_s >= 0.8

@@ -20,7 +20,7 @@ from rl_bridge.loop.replay import Group
 from rl_bridge.loop.stages.preprocess import StepBatch
 from rl_bridge.loop.stages.rollout import rollout_metrics
 from rl_bridge.loop.step import Stages
-from rl_bridge.loop.timing import timed
+from rl_bridge.loop.timing import WakeClock, timed
 from rl_bridge.rollout import RolloutResult, RolloutStats
 
 __all__ = ["SyncCollector", "collected_metrics", "preprocess_groups", "sync_row_order"]
@@ -83,7 +83,7 @@ class QueuedRollout:
     def __init__(self, stage: Any, prompts: list[dict[str, Any]]) -> None:
         self._done: dict[str, Any] = {}
         self.sent = time.monotonic()
-        self.woken = threading.Event()
+        self.woken = WakeClock()
         self._thread = threading.Thread(
             target=self._run, args=(stage, prompts), name="queued-rollout", daemon=True
         )
@@ -94,10 +94,13 @@ class QueuedRollout:
             self._done["out"] = stage.groups(prompts, clock=self.woken)
         except BaseException as error:  # noqa: BLE001 (raised again by wait, in the loop's thread)
             self._done["error"] = error
+        self._done["finished"] = time.monotonic()
 
     def wait(self) -> tuple[list[RolloutResult], RolloutStats, float]:
-        """The results and stats (``wall_s``: from this call to the last result), and how long the
-        requests were out before it (seconds).
+        """The results and stats, and how long the requests were out before this call (seconds).
+        The stats' ``wall_s`` is their generation: from the start of vLLM's wake
+        (:attr:`WakeClock.since`) to the last result, however much of it ran before this call
+        (the step's end: its metrics, a validation); from this call when vLLM never woke for them.
 
         Raises:
             Exception: whatever the rollout raised.
@@ -107,8 +110,9 @@ class QueuedRollout:
         if "error" in self._done:
             raise self._done["error"]
         results, stats = self._done["out"]
-        waited = time.monotonic() - waited_from
-        return results, dataclasses.replace(stats, wall_s=waited), waited_from - self.sent
+        started = waited_from if self.woken.since is None else self.woken.since
+        generated = self._done["finished"] - started
+        return results, dataclasses.replace(stats, wall_s=generated), waited_from - self.sent
 
 
 class SyncCollector:
@@ -119,10 +123,11 @@ class SyncCollector:
         self._rows = sync_row_order(len(stages.data.train_rows), stages.recipe.seed)
         self._queued: QueuedRollout | None = None
 
-    def queue_next(self) -> threading.Event:
+    def queue_next(self) -> WakeClock:
         """Send the next step's first round of rollouts now (``rollout.queue_next_step``: vLLM
-        sleeps and queues them); the next :meth:`__call__` waits for them. Returns the event to
-        set once vLLM's KV cache woke: their ``rollout.timeout_s`` counts from then."""
+        sleeps and queues them); the next :meth:`__call__` waits for them. Returns the clock to
+        start once vLLM's KV cache woke: their ``rollout.timeout_s`` counts from then, their
+        generation (``rollout/wall_s``) from when the wake began."""
         if self._queued is not None:
             raise RuntimeError("queue_next: the rollouts sent ahead before were not collected")
         self._queued = QueuedRollout(self.stages.rollout, self.next_prompts())
@@ -145,8 +150,9 @@ class SyncCollector:
         happened.
 
         After :meth:`queue_next` the first round is the one sent ahead: the stage waits for it
-        (``rollout/wall_s`` and ``time/rollout_s`` from the wait's start) and
-        ``rollout/queued_s`` says how long it was out before.
+        (``time/rollout_s``, from the wait's start: what it adds to the step), ``rollout/wall_s``
+        is its generation (from vLLM's wake to the last result: :meth:`QueuedRollout.wait`) and
+        ``rollout/queued_s`` says how long it was out before the wait.
         """
         train = self.stages.recipe.train
         wanted = self.stages.recipe.rollout.prompts_per_step

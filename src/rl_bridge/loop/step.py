@@ -5,7 +5,7 @@ requests continue, ``async.refit_pause_mode``)."""
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,7 @@ from rl_bridge.loop.stages.refit import Refitter
 from rl_bridge.loop.stages.rollout import MaskedLog, RolloutStage
 from rl_bridge.loop.stages.train import TrainStage
 from rl_bridge.loop.stages.validate import validate
-from rl_bridge.loop.timing import timed
+from rl_bridge.loop.timing import WakeClock, timed
 from rl_bridge.recipe import Recipe
 from rl_bridge.refit.client import PauseMode
 
@@ -80,7 +80,7 @@ def learn(
     timings: dict[str, float],
     *,
     pause_mode: PauseMode = "wait",
-    queue_next: Callable[[], threading.Event] | None = None,
+    queue_next: Callable[[], WakeClock] | None = None,
 ) -> dict[str, float]:
     """Logprobs, train and refit (as version ``step-<step>``) on a step's samples, each timed in
     ``timings``; returns the train and refit metrics. The weights lock is held throughout, so a
@@ -88,12 +88,13 @@ def learn(
 
     ``queue_next`` (``rollout.queue_next_step``, colocated): called once vLLM sleeps, to send the
     next step's rollouts, which vLLM queues; its weights alone wake for the refit, and its KV cache
-    wakes after it, which starts the queued requests on the new weights. The event it returns is
-    set then: the queued requests' timeout counts from it."""
+    wakes after it, which starts the queued requests on the new weights. The clock it returns is
+    started then, with when that wake began: the queued requests' timeout counts from it, their
+    generation from the wake."""
     queued = queue_next is not None
     if queued and stages.recipe.model.placement != "colocated":
         raise ValueError("learn: queue_next needs model.placement='colocated' (vLLM asleep queues requests)")
-    woken: threading.Event | None = None
+    woken: WakeClock | None = None
     with stages.refit.lock:
         with stages.refit.generation_asleep(timings, queued=queued):
             if queue_next is not None:
@@ -106,6 +107,7 @@ def learn(
             trained = train_metrics["train/optimizer_steps"] > 0
             refit_metrics = stages.refit(step, pause_mode=pause_mode, trained=trained, resume=not queued)
         if woken is not None:
+            waking = time.monotonic()
             stages.refit.wake_queued(timings)
-            woken.set()
+            woken.start(waking)
     return {**train_metrics, **refit_metrics}

@@ -16,7 +16,8 @@
 #              the plan is the same (micro-batches); what the larger step costs in time and memory
 #   r3b_as4, r3b_h100_as4  the same recipes with four vLLM API servers and a 200 ms coalescing
 #              window: the loop's own rollout stage with the front end spread over four processes
-#   r3b_queued, r3b_h100_queued  the same recipes with rollout.queue_next_step: each next step's
+#   r3b_queued, r3b_h100_queued  the same recipes with rollout.queue_next_step (since on in both
+#              recipes: r3b and r3b_h100 run it too; these jobs keep their run names): each next step's
 #              rollouts sent while vLLM sleeps (their clips processed during training), the weights
 #              woken alone for the refit and the KV cache after it; time/rollout_s is then the
 #              step's wait for them, rollout/wall_s their generation from the KV cache's wake,

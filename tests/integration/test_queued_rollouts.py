@@ -40,6 +40,8 @@ def test_queued_rollouts_run_on_the_new_weights_and_the_run_learns(run: TrainedR
         assert record["rollout/queued_s"] > 0, "sent ahead, while vLLM slept"
         assert record["refit/weight_version"] == record["step"]
         assert record["rollout/ok"] == record["rollout/rows"]
+        # Their generation counts from vLLM's wake, before the step's wait for them began.
+        assert record["rollout/wall_s"] >= record["time/rollout_s"] > 0, record["step"]
         # Sampled with the weights the previous step trained: vLLM and the trainer agree.
         assert 1.0 <= record["mismatch/token_mult_prob_error"] < 1.00001, record["step"]
     # The weights wake alone for the refit and the KV cache after it, on every step that queued.

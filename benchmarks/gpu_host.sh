@@ -94,8 +94,9 @@
 #   rollout_queued_budget  rollout_queued twice on one host: at the server's step budget (8,192
 #              tokens, which also bounds the encoder's inputs and cache per step) and at the offline
 #              engine's (16,384): whether the queued batch, all of it waiting at the wake, is held to
-#              more prefill steps than stock by the budget (REPEATS=N rounds each, 4 by default;
-#              about 14 minutes after the install)
+#              more prefill steps than stock by the budget (REPEATS=N rounds each, 4 by default),
+#              with one profiled batch of each configuration, the queued one queued (vLLM's step
+#              scopes name each step's prompts and tokens); about 16 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -242,10 +243,12 @@ for name in "${jobs[@]}"; do
     stock_budget) job stock_budget 400 bash -c "$py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_default.json && $py benchmarks/rollout.py --configs stock --repeats 3 \
       --json $out/stock_budget_8k.json model.vllm_max_num_batched_tokens=8192" ;;
-    rollout_queued_budget) job rollout_queued_budget 1000 bash -c "$py benchmarks/rollout.py --configs stock,ours \
-      --repeats ${REPEATS:-4} --stock-alongside --queued --json $out/rollout_queued_budget_8k.json && \
+    rollout_queued_budget) job rollout_queued_budget 1200 bash -c "export VLLM_CUSTOM_SCOPES_FOR_PROFILING=1; \
       $py benchmarks/rollout.py --configs stock,ours --repeats ${REPEATS:-4} --stock-alongside --queued \
-      --json $out/rollout_queued_budget_16k.json model.vllm_max_num_batched_tokens=16384" ;;
+      --profile ${TMPDIR:-/tmp}/rollout_queued_8k_traces --json $out/rollout_queued_budget_8k.json && \
+      $py benchmarks/rollout.py --configs stock,ours --repeats ${REPEATS:-4} --stock-alongside --queued \
+      --profile ${TMPDIR:-/tmp}/rollout_queued_16k_traces --json $out/rollout_queued_budget_16k.json \
+      model.vllm_max_num_batched_tokens=16384" ;;
     stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \

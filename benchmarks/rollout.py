@@ -621,7 +621,12 @@ QUEUE_WAIT_S = 6.0  # queued_batch: after the batch starts posting, before vLLM 
 
 
 def queued_batch(
-    server: Any, timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]]
+    server: Any,
+    timer: Callable[..., dict[str, Any]],
+    label: str,
+    rows: list[dict[str, Any]],
+    *,
+    sleep: bool = True,
 ) -> dict[str, Any]:
     """A batch whose requests reach vLLM while it sleeps, as the loop's next rollout does with
     ``rollout.queue_next_step`` (vLLM asleep while the policy trains), through the loop's own calls:
@@ -629,7 +634,8 @@ def queued_batch(
     and vLLM's front ends to carry, load and process every request into the engine's queue, then
     the weights woken alone and the KV cache after them, which resumes the scheduler
     (:class:`~rl_bridge.loop.stages.refit.Refitter`). A server without sleep mode (a fallback
-    start) is paused (``/pause?mode=keep``) and resumed instead. ``wall_s`` runs from the start of
+    start), or ``sleep=False`` (a profiled batch: the weights' copies to host memory and back would
+    fill its trace), is paused (``/pause?mode=keep``) and resumed instead. ``wall_s`` runs from the start of
     the KV cache's wake (or the resume) to the batch's last result, as the loop's ``rollout/wall_s``
     of a queued round; ``resumed_at_s`` is that moment in the batch's own time (its timeline's),
     after the last group was sent to vLLM (``timeline``'s ``last_sent_s``) when the wait sufficed;
@@ -639,7 +645,7 @@ def queued_batch(
     from rl_bridge.refit.client import RefitClient
 
     client = RefitClient(server.base_url)
-    asleep = "--enable-sleep-mode" in server.config.extra_args
+    asleep = sleep and "--enable-sleep-mode" in server.config.extra_args
     if asleep:
         client.sleep(level=1)
     else:
@@ -736,7 +742,9 @@ def run_phases(
         if phase.name in timers and "error" not in outs[phase.name]:
             label = "grouped" if "grouped" in phase.batches else "full"
             try:
-                profile = profiled_batch(server, timers[phase.name], label, phase.batches[label], trace_dir)
+                profile = profiled_batch(
+                    server, timers[phase.name], label, phase.batches[label], trace_dir, queued=phase.queued
+                )
             except Exception as error:  # noqa: BLE001 (the timed figures stand without it)
                 profile = {"label": label, "error": f"{type(error).__name__}: {error}"}
             outs[phase.name]["profile"] = profile
@@ -882,10 +890,19 @@ def trace_summary(trace_dir: Path, since: float, *, primed: bool = False) -> dic
 
 
 def profiled_batch(
-    server: Any, timer: Callable[..., dict[str, Any]], label: str, rows: list[dict[str, Any]], trace_dir: Path
+    server: Any,
+    timer: Callable[..., dict[str, Any]],
+    label: str,
+    rows: list[dict[str, Any]],
+    trace_dir: Path,
+    *,
+    queued: bool = False,
 ) -> dict[str, Any]:
     """One batch from cold caches between vLLM's ``/start_profile`` and ``/stop_profile``: its wall
-    time (the profiler's own cost included) and :func:`trace_summary` of the trace it wrote."""
+    time (the profiler's own cost included) and :func:`trace_summary` of the trace it wrote.
+    ``queued``: the batch is a :func:`queued_batch` (``wall_s`` from the resume), as its phase's
+    timed batches are, held by pausing vLLM's scheduler rather than by sleep, whose weight copies
+    would fill the trace."""
     reset_caches(server.base_url)
     since = time.time()
     requests.post(f"{server.base_url}/start_profile", timeout=120).raise_for_status()
@@ -897,11 +914,15 @@ def profiled_batch(
                 timeout=120,
             ).raise_for_status()
         )
-        run = time_batch(timer, label, rows)
+        run = (
+            queued_batch(server, timer, label, rows, sleep=False)
+            if queued
+            else time_batch(timer, label, rows)
+        )
     finally:
         requests.post(f"{server.base_url}/stop_profile", timeout=900).raise_for_status()
     summary = trace_summary(trace_dir, since, primed=True)
-    return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], **summary}
+    return {"label": label, "wall_s": run["wall_s"], "ok": run["ok"], "queued": queued, **summary}
 
 
 def prime_profiler(request: Callable[[], Any]) -> None:

@@ -118,8 +118,11 @@ METRICS_KEPT = re.compile(
     r"(e2e_request_latency|request_queue_time|request_prefill_time|request_decode_time|"
     r"request_inference_time|time_to_first_token|inter_token_latency|time_per_output_token|"
     r"request_prompt_tokens|request_generation_tokens)_seconds_(sum|count)|"
-    r"(request_prompt_tokens|request_generation_tokens)_(sum|count)|.*_total)$"
+    r"(request_prompt_tokens|request_generation_tokens|iteration_tokens_total)_(sum|count)|.*_total)$"
 )
+
+
+ENGINE_COUNTS = ("chat_completion_requests", "engine_steps", "tokens_per_engine_step")  # printed per batch
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -197,7 +200,8 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The batch's share of the counters, and derived figures (per-request means, hit rates)."""
+    """The batch's share of the counters, and derived figures (per-request means, hit rates, the
+    engine steps it took and their mean tokens: prompt tokens computed plus generated)."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) != 0}
     out: dict[str, float] = dict(sorted(delta.items()))
     for stage in (
@@ -210,6 +214,9 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
         total, count = delta.get(f"{stage}_seconds_sum"), delta.get(f"{stage}_seconds_count")
         if total is not None and count:
             out[f"{stage}_mean_s"] = total / count
+    if steps := delta.get("iteration_tokens_total_count"):  # one observation per engine step
+        out["engine_steps"] = steps
+        out["tokens_per_engine_step"] = delta.get("iteration_tokens_total_sum", 0.0) / steps
     for cache in ("prefix_cache", "mm_cache"):
         queries = delta.get(f"{cache}_queries_total")
         if queries:
@@ -1800,7 +1807,7 @@ def main() -> int:
             m = results.get(name, {}).get(label, {}).get("vllm_metrics")
             if m:
                 keys = [k for k in m if k.endswith(("_mean_s", "_hit_rate"))]
-                keys += [k for k in m if k == "chat_completion_requests"]
+                keys += [k for k in m if k in ENGINE_COUNTS]
                 print(f"{name} {label}: " + ", ".join(f"{k} {m[k]:.3f}" for k in keys))
             cpu = results.get(name, {}).get(label, {}).get("cpu_by_process")
             if cpu:

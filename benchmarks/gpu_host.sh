@@ -23,6 +23,9 @@
 #              step's wait for them, rollout/wall_s their generation from the KV cache's wake,
 #              rollout/queued_s the time before the wait
 #              (STEPS=N: N steps, validated at the last)
+#   r3b_b16k, r3b_h100_b16k  the same recipes (queued) with vLLM's step budget at the offline
+#              engine's 16,384 tokens instead of the server's 8,192 (STEPS=N as above): the loop
+#              with the setting rollout_queued_budget tests
 #   rollout    benchmarks/rollout.py: the loop's rollout against NeMo RL's settings and stock vLLM
 #   rollout_gym  the same without the seed's settings, on one vLLM server: ours as the recipe runs
 #              it (a group's identical first turns sent as one request with n,
@@ -183,6 +186,8 @@ for name in "${jobs[@]}"; do
       rollout.max_in_flight=512 train.steps=3 validation.every=3 ;;
     r3b_as4|r3b_h100_as4) job "$name" 900 r3bx "$(r3b_recipe "$name")" as4 model.vllm_api_servers=4 \
       rollout.coalesce_window_ms=200 ;;
+    r3b_b16k|r3b_h100_b16k) job "$name" 900 r3bx "$(r3b_recipe "$name")" b16k \
+      model.vllm_max_num_batched_tokens=16384 ${STEPS:+train.steps=$STEPS validation.every=$STEPS} ;;
     r3b_queued|r3b_h100_queued) job "$name" 900 r3bx "$(r3b_recipe "$name")" queued \
       rollout.queue_next_step=true ${STEPS:+train.steps=$STEPS validation.every=$STEPS} ;;
     rollout) job rollout 900 "$py" benchmarks/rollout.py --seed-samples 16 --json "$out/rollout_h200.json" ;;

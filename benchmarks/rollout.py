@@ -656,7 +656,7 @@ def queued_batch(
     if asleep:
         client.sleep(level=1)
     else:
-        requests.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
+        client.pause("keep")
     done: dict[str, Any] = {}
 
     def batch() -> None:
@@ -677,7 +677,7 @@ def queued_batch(
         if asleep:
             client.wake_up(("kv_cache",))
         else:
-            requests.post(f"{server.base_url}/resume", timeout=120).raise_for_status()
+            client.resume()
         woken = time.perf_counter() - resumed
     worker.join()
     if "error" in done:

@@ -151,7 +151,7 @@ class RefitClient:
                 left paused. ``resume``: as :meth:`refit`.
         """
         started = time.monotonic()
-        self._post("/pause?" + urllib.parse.urlencode({"mode": pause_mode}), step="pause")
+        self.pause(pause_mode)
         try:
             try:
                 load()
@@ -272,6 +272,15 @@ class RefitClient:
         version = self.server_version()
         if version is None or compat.has_shutdown_weight_transfer_route(version):
             self._post("/shutdown_weight_transfer_engine", step="shut the weight transfer down")
+
+    def pause(self, mode: PauseMode = "wait") -> None:
+        """Stop scheduling (``POST /pause?mode=MODE``): what becomes of running requests is
+        :data:`PauseMode`'s; requests that arrive while paused are queued until :meth:`resume`.
+
+        Raises:
+            RefitError: the server refused.
+        """
+        self._post("/pause?" + urllib.parse.urlencode({"mode": mode}), step="pause")
 
     def resume(self) -> None:
         """Resume generation (``POST /resume``).

@@ -100,6 +100,9 @@
 #              more prefill steps than stock by the budget (REPEATS=N rounds each, 4 by default),
 #              with one profiled batch of each configuration, the queued one queued (vLLM's step
 #              scopes name each step's prompts and tokens); about 16 minutes after the install
+#   rollout_queued_16k  rollout_queued at the offline engine's step budget (16,384) alone, no
+#              profile: the queued ratio against stock at that budget when the host's time is short
+#              (REPEATS=N rounds, 4 by default); about 5 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -254,6 +257,9 @@ for name in "${jobs[@]}"; do
       $py benchmarks/rollout.py --configs stock,ours --repeats ${REPEATS:-4} --stock-alongside --queued \
       --profile ${TMPDIR:-/tmp}/rollout_queued_16k_traces --json $out/rollout_queued_budget_16k.json \
       model.vllm_max_num_batched_tokens=16384" ;;
+    rollout_queued_16k) job rollout_queued_16k 900 "$py" benchmarks/rollout.py --configs stock,ours \
+      --repeats "${REPEATS:-4}" --stock-alongside --queued --json "$out/rollout_queued_16k.json" \
+      model.vllm_max_num_batched_tokens=16384 ;;
     stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \

@@ -122,7 +122,7 @@ METRICS_KEPT = re.compile(
 )
 
 
-ENGINE_COUNTS = ("chat_completion_requests", "engine_steps", "tokens_per_engine_step")  # printed per batch
+ENGINE_COUNTS = ("chat_completion_requests", "front_end_iterations", "tokens_per_front_end_iteration")  # per batch
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The batch's share of the counters, and derived figures (per-request means, hit rates, the
-    engine steps it took and their mean tokens: prompt tokens computed plus generated)."""
+    engine steps its API servers saw and their mean tokens: prompt tokens computed plus generated)."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) != 0}
     out: dict[str, float] = dict(sorted(delta.items()))
     for stage in (
@@ -214,9 +214,11 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
         total, count = delta.get(f"{stage}_seconds_sum"), delta.get(f"{stage}_seconds_count")
         if total is not None and count:
             out[f"{stage}_mean_s"] = total / count
-    if steps := delta.get("iteration_tokens_total_count"):  # one observation per engine step
-        out["engine_steps"] = steps
-        out["tokens_per_engine_step"] = delta.get("iteration_tokens_total_sum", 0.0) / steps
+    # vLLM's iteration histogram takes one observation per engine step in each API server that had
+    # outputs in it: the engine's steps with one API server, up to that many times them with several
+    if steps := delta.get("iteration_tokens_total_count"):
+        out["front_end_iterations"] = steps
+        out["tokens_per_front_end_iteration"] = delta.get("iteration_tokens_total_sum", 0.0) / steps
     for cache in ("prefix_cache", "mm_cache"):
         queries = delta.get(f"{cache}_queries_total")
         if queries:
@@ -664,7 +666,6 @@ def queued_batch(
             done["run"] = time_batch(timer, label, rows)
         except BaseException as error:  # noqa: BLE001 (raised again in the caller's thread)
             done["error"] = error
-        done["finished"] = time.perf_counter()
 
     worker = threading.Thread(target=batch, name="queued-batch")
     try:
@@ -683,8 +684,10 @@ def queued_batch(
     if "error" in done:
         raise done["error"]
     run = dict(done["run"])
+    # The batch ended when its last result came (the timer's own wall), before the timer gathered
+    # its figures (the processes' CPU, vLLM's and the model servers' counters): count to then.
     run.update(
-        wall_s=done["finished"] - resumed,
+        wall_s=run["started_unix"] + run["wall_s"] - resumed_unix,
         resumed_at_s=resumed_unix - run["started_unix"],
         posted_to_end_s=run["wall_s"],
         queued_through="sleep" if asleep else "pause",

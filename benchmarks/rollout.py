@@ -122,7 +122,8 @@ METRICS_KEPT = re.compile(
 )
 
 
-ENGINE_COUNTS = ("chat_completion_requests", "front_end_iterations", "tokens_per_front_end_iteration")  # per batch
+# printed per batch
+ENGINE_COUNTS = ("chat_completion_requests", "front_end_iterations", "tokens_per_front_end_iteration")
 
 
 # -- requests ----------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import aiohttp
+import pydantic_core
 
 from gym_video_env.affinity import MODEL_REPLICA_KEY, pick
 from gym_video_env.coalesce import without_group
@@ -302,23 +303,28 @@ async def _dispatched(
 async def _run_once(session: aiohttp.ClientSession, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
     try:
         async with session.post(url, json=row) as response:
-            status, text = response.status, await response.text()
+            status, payload = response.status, await response.read()
     except (aiohttp.ClientError, TimeoutError) as error:
         raise _InfraError(f"{type(error).__name__}: {error}") from error
+    if status == 200:
+        # Parsed in Rust (pydantic's parser; floats as json.loads reads them): a batch's answers
+        # come back within a few decode steps of each other, and they are parsed one after
+        # another in this thread.
+        try:
+            body = pydantic_core.from_json(payload)
+        except ValueError as error:
+            text = payload.decode(errors="replace")
+            raise _InfraError(f"HTTP 200 with a body that is not JSON: {text[:200]!r}") from error
+        reward = body.get("reward") if isinstance(body, dict) else None
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+            raise _ContentError(f"answer without a numeric reward: {str(body)[:500]}")
+        return body
+    text = payload.decode(errors="replace")
     if status >= 500:
         if any(marker in text for marker in _INNER_CLIENT_ERROR_MARKERS):
             raise _ContentError(f"HTTP {status}, an inner client error: {_excerpt(text)}")
         raise _InfraError(f"HTTP {status}: {_excerpt(text)}")
-    if status != 200:
-        raise _ContentError(f"HTTP {status}: {_excerpt(text)}")
-    try:
-        body = json.loads(text)
-    except ValueError as error:
-        raise _InfraError(f"HTTP 200 with a body that is not JSON: {text[:200]!r}") from error
-    reward = body.get("reward") if isinstance(body, dict) else None
-    if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-        raise _ContentError(f"answer without a numeric reward: {str(body)[:500]}")
-    return body
+    raise _ContentError(f"HTTP {status}: {_excerpt(text)}")
 
 
 async def _clock_started(clock: threading.Event) -> None:

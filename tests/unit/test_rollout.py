@@ -75,6 +75,8 @@ def _serve_agent() -> Iterator[tuple[str, _Agent]]:
                 )
             if status == 299:  # a 200 without a reward
                 status, body = 200, b'{"response": {}}'
+            if status == 297:  # a 200 whose body is not JSON (a proxy's page)
+                status, body = 200, b"<html>bad gateway</html>"
             if status == 599:  # Gym's agent quoting an inner server's client error
                 status = 500
                 body = json.dumps(
@@ -237,8 +239,13 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
         "no_reward": [299],
         "inner_refused": [599],
         "policy_fault": [298],
+        "not_json": [297],
     }
-    rows = [{"id": f"{name}-{i}", "plan": plan} for i in range(3) for name, plan in plans.items()]
+    rows = [
+        {"id": f"{name}-{i}", "plan": plan, "logprobs": [-1 / 3 - i, -2.5e-12, -0.0]}
+        for i in range(3)
+        for name, plan in plans.items()
+    ]
     done = []
     settings = RolloutSettings(max_in_flight=4, max_attempts=3, backoff_s=0.0, timeout_s=10)
     results, stats = collect_rollouts(url, rows, settings, on_done=done.append)
@@ -248,7 +255,8 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
     outcome = {row["id"]: r.outcome for row, r in zip(rows, results, strict=True)}
     for i in range(3):
         assert outcome[f"ok-{i}"] == outcome[f"flaky-{i}"] == "ok"
-        assert outcome[f"down-{i}"] == "infra_failed"
+        assert outcome[f"down-{i}"] == outcome[f"not_json-{i}"] == "infra_failed"
+        assert state.attempts[f"not_json-{i}"] == 3
         assert (
             outcome[f"refused-{i}"]
             == outcome[f"no_reward-{i}"]
@@ -278,11 +286,14 @@ def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tupl
     assert (metrics["rollout/ok"], metrics["rollout/content_failed"], metrics["rollout/infra_failed"]) == (
         6,
         9,
-        3,
+        6,
     )
-    assert metrics["rollout/retries"] == 3 * 2 + 3 * 2
+    assert metrics["rollout/retries"] == 3 * 2 + 3 * 2 + 3 * 2
     assert metrics["rollout/redispatches"] == metrics["rollout/server_restarts"] == 0
     assert [r.reward for r in results if r.outcome == "ok"] == [1.0] * 6
+    # the answers' floats (the logprobs) come back exactly as sent
+    assert all(r.result["logprobs"] == rows[r.index]["logprobs"] for r in results if r.outcome == "ok")
+    assert "not JSON" in results[rows.index(next(row for row in rows if row["id"] == "not_json-0"))].error
     assert all(r.error for r in results if r.outcome not in ("ok", "policy_fault"))
     assert 1 < state.max_in_flight <= 4
 

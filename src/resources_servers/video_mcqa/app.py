@@ -64,9 +64,8 @@ class VideoMCQAResourcesServer(SimpleResourcesServer):
         grade = grade_choice(
             final_assistant_text(output), body.answer, body.options, answer_format=self.config.answer_format
         )
-        return VideoMCQAVerifyResponse(
-            **body.model_dump(), reward=grade.reward, extracted_answer=grade.extracted
-        )
+        # The request's fields as validated (the response's token ids not dumped and validated again).
+        return VideoMCQAVerifyResponse(**dict(body), reward=grade.reward, extracted_answer=grade.extracted)
 
 
 if __name__ == "__main__":

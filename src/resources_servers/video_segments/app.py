@@ -153,8 +153,9 @@ class VideoSegmentsResourcesServer(SimpleResourcesServer):
             final_assistant_text(output), body.answer, body.options, answer_format=self.config.answer_format
         )
         named = body.named_segment
+        # The request's fields as validated (the response's token ids not dumped and validated again).
         return VideoSegmentsVerifyResponse(
-            **body.model_dump(),
+            **dict(body),
             reward=grade.reward - self.config.tool_call_cost * len(calls),
             extracted_answer=grade.extracted,
             watched_segments=watched,

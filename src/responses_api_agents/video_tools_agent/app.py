@@ -163,7 +163,12 @@ class VideoToolsAgent(SimpleResponsesAPIAgent):
             cookies=resources_cookies,
         )
         await raise_for_status(verified)
-        return VideoToolsAgentVerifyResponse.model_validate(await get_response_json(verified))
+        # The verifier's answer is checked against the response model and passed on as it came:
+        # not parsed into Python objects and serialized again (a trajectory's token ids and
+        # logprobs are most of it). FastAPI sends a returned Response as it is.
+        content = await verified.read()
+        VideoToolsAgentVerifyResponse.model_validate_json(content)
+        return Response(content=content, media_type="application/json")
 
     async def _episode(
         self, params: dict[str, Any], *, model_cookies: Any, resources_cookies: dict[str, str]

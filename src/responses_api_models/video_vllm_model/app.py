@@ -158,6 +158,7 @@ class VideoVLLMModel(VLLMModel):
     ) | {("GET", "/coalescing")}
     _media_settings: MediaSettings = PrivateAttr()
     _contract: VideoSamplingContract | None = PrivateAttr(default=None)
+    _contract_json: str | None = PrivateAttr(default=None)
 
     def model_post_init(self, context: Any) -> None:
         config = self.config
@@ -169,6 +170,7 @@ class VideoVLLMModel(VLLMModel):
         )
         if config.video_sampling_contract is not None:
             self._contract = VideoSamplingContract.model_validate(config.video_sampling_contract)
+            self._contract_json = self._contract.canonical_json()  # every response carries it
         # The media handlers' entry points are found, loaded and checked now: a misconfigured
         # plugin stops the server at start-up, and the first rollout does not pay for the search.
         get_plugin_manager()
@@ -227,11 +229,8 @@ class VideoVLLMModel(VLLMModel):
         body: NeMoGymResponseCreateParamsNonStreaming = Body(),  # noqa: B008 (FastAPI)
     ) -> NeMoGymResponse:
         response = await super().responses(request, body)
-        if self._contract is not None:
-            response.metadata = {
-                **(response.metadata or {}),
-                CONTRACT_METADATA_KEY: self._contract.canonical_json(),
-            }
+        if self._contract_json is not None:
+            response.metadata = {**(response.metadata or {}), CONTRACT_METADATA_KEY: self._contract_json}
         return response
 
     async def chat_completions(

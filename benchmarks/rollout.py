@@ -86,6 +86,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -364,9 +365,12 @@ def timed_rollouts(
         coalescing_before = coalescing(model_urls)
     before = scrape(base_url)
     cpu_before = cpu_snapshot()
+    finished: list[float] = []  # when each result reached this thread (unix)
     started_unix = time.time()
     started = time.perf_counter()
-    results, stats = collect_rollouts(agent_url, rows, settings, order=order)
+    results, stats = collect_rollouts(
+        agent_url, rows, settings, order=order, on_done=lambda _: finished.append(time.time())
+    )
     wall = time.perf_counter() - started
     cpu = cpu_by_role(cpu_before, wall)
     metrics = breakdown(before, scrape(base_url))
@@ -378,6 +382,7 @@ def timed_rollouts(
     if coalescing_before is not None:
         figures["coalescing"] = counts = coalescing_delta(coalescing_before, coalescing(model_urls or []))
         figures["timeline"] = send_timeline(counts.pop("sends", []), started_unix)
+        figures["timeline"].update(result_timeline(finished, started_unix))
     return figures
 
 
@@ -406,6 +411,13 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
             f"+{timeline['last_sent_s']:.3f} s, last answer at +{timeline['last_answered_s']:.3f} s of "
             f"{result['wall_s']:.3f} s"
         )
+        if "first_result_s" in timeline:
+            lines.append(
+                f"  answers from vLLM at +{timeline['first_answered_s']:.3f} s (first), "
+                f"+{timeline['median_answered_s']:.3f} s (median); results at the client at "
+                f"+{timeline['first_result_s']:.3f}, +{timeline['median_result_s']:.3f}, "
+                f"+{timeline['last_result_s']:.3f} s (first, median, last)"
+            )
     if (resumed_at := result.get("resumed_at_s")) is not None:
         lines.append(
             f"  queued ({result.get('queued_through', 'pause')}): woke at +{resumed_at:.3f} s; the batch "
@@ -431,7 +443,23 @@ def send_timeline(sends: list[list[float]], started_unix: float) -> dict[str, An
         "requests": len(sends),
         "first_sent_s": min(sent),
         "last_sent_s": max(sent),
+        "first_answered_s": min(answered),
+        "median_answered_s": statistics.median(answered),
         "last_answered_s": max(answered),
+    }
+
+
+def result_timeline(finished: list[float], started_unix: float) -> dict[str, Any]:
+    """When, in seconds after the batch started, the rollout client had its first, median and last
+    result: with the model servers' answers (:func:`send_timeline`), whether Gym's return keeps
+    pace with vLLM's answers or queues behind them."""
+    if not finished:
+        return {}
+    times = [moment - started_unix for moment in finished]
+    return {
+        "first_result_s": min(times),
+        "median_result_s": statistics.median(times),
+        "last_result_s": max(times),
     }
 
 
@@ -1532,7 +1560,6 @@ def alongside_ratios(results: dict[str, Any]) -> dict[str, float]:
     theirs with the stock runs of the same server's rounds only (``..._alongside_...``: median over
     median) and paired round by round (``..._paired_...``: the median of each round's ratio, stock's
     run against the configuration's run of that round)."""
-    import statistics
 
     alongside = (results.get("stock") or {}).get("alongside") or {}
     out: dict[str, float] = {}

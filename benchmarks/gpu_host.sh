@@ -103,6 +103,10 @@
 #   rollout_queued_16k  rollout_queued at the offline engine's step budget (16,384) alone, no
 #              profile: the queued ratio against stock at that budget when the host's time is short
 #              (REPEATS=N rounds, 4 by default); about 5 minutes after the install
+#   rollout_handout  rollout_queued with the model servers handing answers out in turn
+#              (rollout.response_handout_ms=5) beside the recipes' setting (0), both queued, in the
+#              same rounds on one server, stock beside them (REPEATS=N rounds, 4 by default); about
+#              7 minutes after the install
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -260,6 +264,9 @@ for name in "${jobs[@]}"; do
     rollout_queued_16k) job rollout_queued_16k 900 "$py" benchmarks/rollout.py --configs stock,ours \
       --repeats "${REPEATS:-4}" --stock-alongside --queued --json "$out/rollout_queued_16k.json" \
       model.vllm_max_num_batched_tokens=16384 ;;
+    rollout_handout) job rollout_handout 900 "$py" benchmarks/rollout.py --configs stock,ours \
+      --repeats "${REPEATS:-4}" --stock-alongside --queued --variant "handout: rollout.response_handout_ms=5" \
+      --json "$out/rollout_handout.json" ;;
     stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \

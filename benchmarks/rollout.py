@@ -22,7 +22,8 @@ figure):
   (``rollout.coalesce_window_ms``, ``rollout.gym_workers``) run on ours' vLLM server; others
   (``model.vllm_api_servers``, ``model.vllm_renderer_workers``) on a vLLM server of their own,
   started after ours', which also times **direct-LABEL** (the ``grouped`` direct batch, below) when
-  ``direct`` runs.
+  ``direct`` runs. With ``--queued`` a variant on ours' server is also timed queued
+  (**ours-LABEL-queued**).
 - **ours-queued** (``--queued``): ours on its server with the batch posted while vLLM sleeps, then
   the weights and the KV cache woken once every request has had time to reach the engine's queue,
   timed from the KV cache's wake: the loop's rollout with ``rollout.queue_next_step``, which sends
@@ -1790,6 +1791,8 @@ def main() -> int:
                     phase = Phase(f"ours-{label}", variant, {"full": rows})
                     if server_config(variant, data, name, 0) == ours_server:
                         phases.append(phase)
+                        if args.queued:  # a Gym-side variant queued too, on the same server
+                            phases.append(Phase(f"ours-{label}-queued", variant, {"full": rows}, queued=True))
                     else:  # a vLLM of its own, and what it gives posted straight to it
                         direct = [Phase(f"direct-{label}", variant, {"grouped": rows}, direct=True)]
                         own_servers.append([phase, *(direct if "direct" in configs else [])])

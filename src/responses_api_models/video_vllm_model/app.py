@@ -34,9 +34,10 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
   meet on one server, where their first turns can be coalesced and their clip is processed once.
   Either way no per-session table grows with the run.
-- ``response_handout_ms`` (off by default): answers that arrive together (a group's choices, a batch's samples
-  ending at once) are handed to their requests in turn, each response sent before the next answer
-  is converted (:mod:`gym_video_env.handout`), so the first leave without waiting for the last.
+- ``response_handout_ms`` (off by default): answers that arrive together (a group's choices, a
+  batch's samples ending at once) are handed to their requests in turn, each response sent before
+  the next answer is converted (:mod:`gym_video_env.handout`), so the first leave without waiting
+  for the last.
 """
 
 from __future__ import annotations

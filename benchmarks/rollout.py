@@ -1561,7 +1561,6 @@ def alongside_ratios(results: dict[str, Any]) -> dict[str, float]:
     theirs with the stock runs of the same server's rounds only (``..._alongside_...``: median over
     median) and paired round by round (``..._paired_...``: the median of each round's ratio, stock's
     run against the configuration's run of that round)."""
-
     alongside = (results.get("stock") or {}).get("alongside") or {}
     out: dict[str, float] = {}
     for name, result in results.items():

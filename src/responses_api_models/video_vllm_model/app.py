@@ -206,7 +206,8 @@ class VideoVLLMModel(VLLMModel):
     def setup_webserver(self) -> FastAPI:
         app = super().setup_webserver()
         app.get("/coalescing")(self.coalescing)
-        app.add_middleware(ResponseSentMiddleware)  # the outermost: it sees each response leave
+        if self.config.response_handout_ms > 0:  # the outermost: it sees each response leave
+            app.add_middleware(ResponseSentMiddleware)
         return app
 
     async def coalescing(self) -> dict[str, Any]:

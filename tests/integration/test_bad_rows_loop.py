@@ -29,12 +29,11 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.stages.rollout import MASKED_ROWS_FILE
 from rl_bridge.loop.sync import run_sync
-from rl_bridge.tasks import prepare_task
 from rl_bridge.paths import project_root
 from rl_bridge.recipe import load_recipe
+from rl_bridge.tasks import prepare_task
 from tests.fixtures.bad_inputs import FaultRecorder
 from tests.fixtures.poison_video.sitecustomize import POISON_ENV
 from video_grpo_demo.task import MEDIA_FAULT_KEY
@@ -231,8 +230,8 @@ def test_ppo_minibatches_and_epochs_take_four_optimizer_steps_off_the_recomputed
         assert record["train/optimizer_steps"] == 4.0
         assert record["time/logprobs_s"] > 0.0  # the pi_old pass ran
     # After the first update of a batch the later mini-batches are off-policy: ratio != 1. A step
-    # whose groups all scored alike (zero advantage everywhere, gradient 0; at temperature 0.7 a
-    # step's 13 groups have all scored 0) has loss 0. Its weights stay put only while Adam has no
+    # whose groups all scored alike (zero advantage everywhere; at temperature 0.7 a step's 13 groups
+    # have all scored 0) has loss and gradient 0. Its weights stay put only while Adam has no
     # momentum, so its ratio is exactly 1 only before any step has moved them; after one, Adam's
     # moments still move the weights on a zero gradient and its ratio leaves 1 too.
     moved = [record for record in steps if record["train/grad_norm"] > 0.0]
@@ -240,8 +239,13 @@ def test_ppo_minibatches_and_epochs_take_four_optimizer_steps_off_the_recomputed
     for record in moved:
         assert record["train/ratio/mean"] != pytest.approx(1.0, abs=1e-9)
     for index, record in enumerate(steps):
-        if record["train/grad_norm"] == 0.0:
-            assert record["train/loss"] == 0.0
+        if record["preprocess/groups/zero_signal_frac"] == 1.0:
+            assert record["train/loss"] == 0.0 and record["train/grad_norm"] == 0.0, record
             if not any(earlier["train/grad_norm"] > 0.0 for earlier in steps[:index]):
                 assert record["train/ratio/mean"] == 1.0
+        elif record["train/grad_norm"] == 0.0:
+            # Some group had signal and still no mini-batch had a gradient: the mini-batches with
+            # signal came after Adam's momentum had moved the weights, and the clip took every token
+            # of theirs that carried an advantage (a loss, no gradient). The clip says so.
+            assert record["train/clip/frac"] > 0.0, record
     assert steps[-1]["train/step"] == 4.0 * len(steps)

@@ -103,16 +103,9 @@
 #   rollout_queued_16k  rollout_queued at the offline engine's step budget (16,384) alone, no
 #              profile: the queued ratio against stock at that budget when the host's time is short
 #              (REPEATS=N rounds, 4 by default); about 5 minutes after the install
-#   rollout_handout  rollout_queued with the model servers handing answers out in turn
-#              (rollout.response_handout_ms=5) beside the recipes' setting (0), both queued, in the
-#              same rounds on one server, stock beside them (REPEATS=N rounds, 4 by default); about
-#              7 minutes after the install
-#   rollout_return  rollout_handout with two more variants on ours' server, all queued: the recipes'
-#              one group a model-server replica against 8 replicas (rollout.gym_workers=8, each
-#              replica converting two groups' answers), each with and without the handout: what
-#              shortens Gym's return after vLLM's last answer (REPEATS=N rounds, 4 by default; about
-#              13 minutes after the install). rollout_return_h100.json ran while the recipes had 8
-#              replicas, its variants then 16 ('w16') and 16 with the handout ('w16h')
+#   (rollout_handout and rollout_return, which also timed the model servers handing answers out in
+#              turn, went with that option: it shortened nothing. rollout_return_h100.json was run
+#              by this script at 9702251, while the recipes had 8 replicas.)
 #   rollout_w16  the recipes' 16 Gym replicas against 8 ('w8') alone, unqueued and queued, in the
 #              same rounds, stock beside them (REPEATS=N rounds, 6 by default; about 9 minutes after
 #              the install). rollout_w16_h100.json ran while the recipes had 8, its variant 16
@@ -273,13 +266,6 @@ for name in "${jobs[@]}"; do
     rollout_queued_16k) job rollout_queued_16k 900 "$py" benchmarks/rollout.py --configs stock,ours \
       --repeats "${REPEATS:-4}" --stock-alongside --queued --json "$out/rollout_queued_16k.json" \
       model.vllm_max_num_batched_tokens=16384 ;;
-    rollout_handout) job rollout_handout 900 "$py" benchmarks/rollout.py --configs stock,ours \
-      --repeats "${REPEATS:-4}" --stock-alongside --queued --variant "handout: rollout.response_handout_ms=5" \
-      --json "$out/rollout_handout.json" ;;
-    rollout_return) job rollout_return 1200 "$py" benchmarks/rollout.py --configs stock,ours \
-      --repeats "${REPEATS:-4}" --stock-alongside --queued --variant "handout: rollout.response_handout_ms=5" \
-      --variant "w8: rollout.gym_workers=8" --variant "w8h: rollout.gym_workers=8 rollout.response_handout_ms=5" \
-      --json "$out/rollout_return.json" ;;
     rollout_w16) job rollout_w16 900 "$py" benchmarks/rollout.py --configs stock,ours --repeats "${REPEATS:-6}" \
       --stock-alongside --queued --variant "w8: rollout.gym_workers=8" --json "$out/rollout_w16.json" ;;
     stock_flags) job stock_flags 600 bash -c "$py benchmarks/rollout.py --configs stock --repeats ${REPEATS:-6} \

@@ -9,8 +9,6 @@ their logprobs), so that nothing but the server's own work is measured:
 
 - **ours**: ``video_vllm_model`` with ``--groups`` declared groups of ``--group-size`` samples
   (``gym_video_env.coalesce``), each group answered by one request with ``n`` choices;
-- **ours-handout**: the same with ``response_handout_ms: 5`` (``rollout.response_handout_ms``): the
-  answers handed to their requests in turn, each response sent before the next is converted;
 - **stock**: Gym's ``vllm_model`` with the same number of samples, each its own request and answer.
 
 Every request goes through the server's whole FastAPI app (its middleware, the route, the
@@ -111,14 +109,12 @@ def build_server(name: str, media_root: str) -> Any:
     client = ServerClient(
         head_server_config=BaseServerConfig(host="127.0.0.1", port=2), global_config_dict=OmegaConf.create({})
     )
-    if name.startswith("ours"):
+    if name == "ours":
         from responses_api_models.video_vllm_model.app import VideoVLLMModel, VideoVLLMModelConfig
 
         config = VideoVLLMModelConfig(
             **fields, media_root=media_root, vllm_connection_retries=8, video_sampling_contract=CONTRACT
         )
-        if name == "ours-handout":
-            config.response_handout_ms = 5.0
         return VideoVLLMModel(config=config, server_client=client)
     from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
@@ -142,7 +138,7 @@ async def one_round(
         return answer
 
     for client in server._clients:  # the wrapped client's send for ours, the client's for stock
-        if name.startswith("ours"):
+        if name == "ours":
             object.__setattr__(client, "_send", stand_in)
         else:
             object.__setattr__(client, "create_chat_completion", stand_in)
@@ -155,7 +151,7 @@ async def one_round(
             "max_output_tokens": 64,
             "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}],
         }
-        if name.startswith("ours"):
+        if name == "ours":
             request["metadata"] = group_metadata(f"{tag}g{group}", size)
         else:
             request["input"][0]["content"][0]["text"] += f" (sample {sample})"
@@ -181,7 +177,7 @@ async def one_round(
 
 def run(name: str, args: argparse.Namespace, media_root: str) -> dict[str, Any]:
     server = build_server(name, media_root)
-    n = args.group_size if name.startswith("ours") else 1
+    n = args.group_size if name == "ours" else 1
     answers = {n: canned_answer(n, args.prompt_tokens, 64, seed=n)}
     rounds = [
         asyncio.run(one_round(server, name, args.groups, args.group_size, answers, f"r{i}"))
@@ -211,7 +207,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as media_root:
-        results = {name: run(name, args, media_root) for name in ("stock", "ours", "ours-handout")}
+        results = {name: run(name, args, media_root) for name in ("stock", "ours")}
     for name, result in results.items():
         print(
             f"{name:12s}: responses at +{result['first_response_ms']:.1f} (first), "
@@ -219,9 +215,8 @@ def main() -> None:
             f"after the first answer; the server {result['wall_per_sample_ms']:.2f} ms a sample"
         )
     ratios = {
-        f"stock_{what}_response_over_{name}": results["stock"][f"{what}_response_ms"]
-        / results[name][f"{what}_response_ms"]
-        for name in ("ours", "ours-handout")
+        f"stock_{what}_response_over_ours": results["stock"][f"{what}_response_ms"]
+        / results["ours"][f"{what}_response_ms"]
         for what in ("first", "median", "last")
     }
     for key, value in ratios.items():

@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_video_env.affinity import without_metadata
-from gym_video_env.handout import Handout
 
 __all__ = [
     "GROUP_METADATA_KEY",
@@ -150,8 +149,6 @@ class CoalescingClient:
             least ``max_wait_s`` plus ``window_s``, so a batch sent at its cap still has its
             stragglers counted.
         claim_horizon_s: how long a declared group's unclaimed choices are kept for its callers.
-        handout: hands the answers to their callers in turn (:mod:`gym_video_env.handout`), shared
-            by the clients of one server; ``None``: every caller takes its answer as it comes.
     """
 
     def __init__(
@@ -163,7 +160,6 @@ class CoalescingClient:
         max_wait_s: float | None = None,
         late_horizon_s: float = 2.0,
         claim_horizon_s: float = 60.0,
-        handout: Handout | None = None,
     ) -> None:
         if window_s < 0 or max_n < 1 or not claim_horizon_s > 0:
             raise ValueError(
@@ -176,7 +172,6 @@ class CoalescingClient:
                 f"(it is {window_s})"
             )
         self._client = client
-        self._handout = handout or Handout(0.0)
         self._send: Callable[..., Awaitable[dict[str, Any]]] = client.create_chat_completion
         self.window_s = window_s
         self.max_n = max_n
@@ -221,11 +216,6 @@ class CoalescingClient:
             setattr(self._client, name, value)
 
     async def create_chat_completion(self, **body: Any) -> dict[str, Any]:
-        answer = await self._answer(body)
-        await self._handout.take()  # answers that came at once go on one after another
-        return answer
-
-    async def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
             body, group, size = _declared_group(body)
         except ValueError as error:  # the sample goes on undeclared: counted, and said once

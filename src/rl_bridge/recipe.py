@@ -585,14 +585,6 @@ class RolloutSection(_Section):
     and a fixed window sends the group in parts, each loading and processing the clip again; a
     complete group goes at once either way. The model server's ``GET /coalescing`` counts the
     requests and the stragglers. 0: the window is fixed, from the group's first sample."""
-    response_handout_ms: NonNegativeFloat = 0.0
-    """Above 0: the model server hands vLLM's answers that arrive together (a group's choices, a
-    batch's samples ending at once) to their requests in turn, each request's response sent before
-    the next answer is converted, a request holding its turn at most this long
-    (``gym_video_env.handout``): the first responses leave without waiting for the last, and the
-    agents, verifiers and the rollout client start on them while the rest are converted. 0: the
-    stock behaviour, every request takes its answer as it comes (the server converts them all
-    before the first response leaves; ``benchmarks/model_server_group.py``)."""
     declare_groups: bool = False
     """Each sample's request names its group and ``group_size`` (in its ``metadata``,
     ``gym_video_env.coalesce.group_metadata``), and the rollout client posts every group's first

@@ -213,7 +213,6 @@ class TaskData:
             model_fields["coalesce_max_wait_ms"] = recipe.rollout.coalesce_max_wait_ms
         if recipe.rollout.coalesces_groups:
             model_fields["route_by_prompt"] = True  # a group meets on one vLLM server
-        model_fields["response_handout_ms"] = recipe.rollout.response_handout_ms
         workers = recipe.rollout.gym_workers
         # Every server as `workers` replicas, one process each, a row's whole path through replica
         # i (the client picks i by the prompt): uvicorn workers on one port would split a group

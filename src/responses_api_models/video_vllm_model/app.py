@@ -34,10 +34,6 @@ Every ``vllm_model`` flag works as there; :class:`VideoVLLMModelConfig` adds the
   (:mod:`gym_video_env.affinity`) instead of the one its session id hashes to: a group's samples
   meet on one server, where their first turns can be coalesced and their clip is processed once.
   Either way no per-session table grows with the run.
-- ``response_handout_ms`` (off by default): answers that arrive together (a group's choices, a
-  batch's samples ending at once) are handed to their requests in turn, each response sent before
-  the next answer is converted (:mod:`gym_video_env.handout`), so the first leave without waiting
-  for the last.
 """
 
 from __future__ import annotations
@@ -74,7 +70,6 @@ from responses_api_models.vllm_model.app import (
 from gym_video_env import MediaSettings
 from gym_video_env.affinity import pick, prompt_key
 from gym_video_env.coalesce import CoalescingClient, check_max_wait, merged_stats
-from gym_video_env.handout import Handout, ResponseSentMiddleware
 from gym_video_env.plugins import get_plugin_manager
 from gym_video_env.request_media import (
     MediaRequestError,
@@ -118,12 +113,6 @@ class VideoVLLMModelConfig(VLLMModelConfig):
     """Hold the first of identical chat completions this long; those that arrive meanwhile go to
     vLLM as one request with ``n`` choices, one for each caller (``gym_video_env.coalesce``: a
     GRPO group's first turns). 0: every request goes alone."""
-    response_handout_ms: NonNegativeFloat = 0.0
-    """Above 0: answers from vLLM that arrive together are handed to their requests in turn, each
-    request's response sent before the next answer is converted (``gym_video_env.handout``); a
-    request holds its turn at most this long (while it awaits something else). 0: every request
-    takes its answer as it comes (the stock server's behaviour), and the server converts them all
-    before the first response leaves."""
     coalesce_max_n: PositiveInt = 64
     """Most choices in one coalesced request."""
     coalesce_max_wait_ms: NonNegativeFloat = 0.0
@@ -191,11 +180,9 @@ class VideoVLLMModel(VLLMModel):
                 client.max_connection_retries = config.vllm_connection_retries
         # Always wrapped: a request may declare its group (gym_video_env.coalesce.group_metadata);
         # without a window the others pass through.
-        handout = Handout(config.response_handout_ms / 1000)  # one turn order for the whole server
         self._clients = [
             CoalescingClient(
                 client,
-                handout=handout,
                 window_s=config.coalesce_window_ms / 1000,
                 max_n=config.coalesce_max_n,
                 max_wait_s=config.coalesce_max_wait_ms / 1000 if config.coalesce_max_wait_ms else None,
@@ -206,8 +193,6 @@ class VideoVLLMModel(VLLMModel):
     def setup_webserver(self) -> FastAPI:
         app = super().setup_webserver()
         app.get("/coalescing")(self.coalescing)
-        if self.config.response_handout_ms > 0:  # the outermost: it sees each response leave
-            app.add_middleware(ResponseSentMiddleware)
         return app
 
     async def coalescing(self) -> dict[str, Any]:

@@ -59,10 +59,11 @@
 #              Gym replicas, with vLLM's offline step budget (a server of its own with
 #              --max-num-batched-tokens 16384, and direct on it), direct and stock, each whole batch
 #              timed three times (the median run reported)
-#   rollout_servers  ours as the one-GPU recipes run it (declared groups, eight Gym replicas, four vLLM
-#              API servers), with each group's later samples posted 150 ms after its first
-#              (rollout.follower_delay_ms), with one API server; direct and stock; each whole batch
-#              timed three times (the median run reported). About 8 minutes after the install
+#   rollout_servers  ours as the one-GPU recipes run it (declared groups, four vLLM API servers), with
+#              one API server; direct and stock; each whole batch timed three times (the median run
+#              reported). rollout_servers_h100.json also timed each group's later samples posted
+#              150 ms after its first, an option since removed (it gained nothing; the script at
+#              9702251 runs it), in about 8 minutes after the install
 #   rollout_budget  stock first, then ours as the one-GPU recipes run it, at vLLM's offline step
 #              budget (a server of its own with --max-num-batched-tokens 16384) and with torch_shm
 #              multimodal tensor IPC (model.vllm_args), direct on each server; each whole batch timed
@@ -232,7 +233,7 @@ for name in "${jobs[@]}"; do
       --repeats 3 --variant "window: rollout.declare_groups=false" --variant "w4: rollout.gym_workers=4" \
       --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" --json "$out/rollout_declared.json" ;;
     rollout_servers) job rollout_servers 900 "$py" benchmarks/rollout.py --configs ours,direct,stock \
-      --repeats 3 --variant "follow: rollout.follower_delay_ms=150" --variant "as1: model.vllm_api_servers=1" \
+      --repeats 3 --variant "as1: model.vllm_api_servers=1" \
       --json "$out/rollout_servers.json" ;;
     rollout_budget) job rollout_budget 900 "$py" benchmarks/rollout.py --configs stock,ours,direct \
       --repeats 5 --variant "mbt16k: model.vllm_max_num_batched_tokens=16384" \

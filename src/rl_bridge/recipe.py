@@ -595,12 +595,6 @@ class RolloutSection(_Section):
     before. ``GET /coalescing`` counts the groups' requests and any choices no sample claimed (a
     sample that failed before reaching the model server). With several vLLM servers or
     ``gym_workers`` above 1, groups are routed as with ``coalesce_window_ms``."""
-    follower_delay_ms: NonNegativeFloat = 0.0
-    """With ``declare_groups``: the rollout client posts each group's later samples this long after
-    the batch starts, so that every group's first sample, which starts the group's generation,
-    crosses the Gym servers without the other samples' requests queued beside it. The later
-    samples only take their choices, so they may come later as long as they come before the
-    answer. 0: every sample is posted at once."""
     spread_group_samples: bool = False
     """With ``gym_workers`` above 1: the rollout client deals each group's samples over the agent
     replicas (the k-th to the k-th replica from the group's), each request naming the group's
@@ -644,12 +638,6 @@ class RolloutSection(_Section):
     @model_validator(mode="after")
     def _check(self) -> RolloutSection:
         check_max_wait(self.coalesce_window_ms, self.coalesce_max_wait_ms, prefix="rollout.")
-        if self.follower_delay_ms > 0 and not self.declare_groups:
-            raise ValueError(
-                f"rollout.follower_delay_ms={self.follower_delay_ms} needs rollout.declare_groups: "
-                "without declared groups a group's first turns go to vLLM when they meet, and held "
-                "samples would split the group"
-            )
         if self.spread_group_samples and self.gym_workers < 2:
             raise ValueError(
                 "rollout.spread_group_samples deals a group's samples over the Gym replicas: it needs "

@@ -113,10 +113,6 @@ class RolloutSettings:
     """Longest wait for one ``/run`` answer, seconds."""
     backoff_s: float = 0.5
     """Wait before re-dispatch ``k`` (1-based) is ``backoff_s * 2**(k - 1)`` seconds."""
-    follower_delay_s: float = 0.0
-    """A row whose prompt an earlier row in dispatch order already has (a group's later samples)
-    is first posted this long after the call starts; 0: at once. Every group's first sample then
-    travels through the Gym servers alone, ahead of the others' requests."""
     spread_group_samples: bool = False
     """With several agent replicas, deal each prompt's rows over them in dispatch order, starting at
     the prompt's replica, each row naming that replica's model server
@@ -130,10 +126,9 @@ class RolloutSettings:
                 f"RolloutSettings: max_in_flight={self.max_in_flight} and max_attempts={self.max_attempts} "
                 "must be >= 1"
             )
-        if not self.timeout_s > 0 or self.backoff_s < 0 or self.follower_delay_s < 0:
+        if not self.timeout_s > 0 or self.backoff_s < 0:
             raise ValueError(
-                f"RolloutSettings: timeout_s={self.timeout_s} must be > 0, backoff_s={self.backoff_s} and "
-                f"follower_delay_s={self.follower_delay_s} >= 0"
+                f"RolloutSettings: timeout_s={self.timeout_s} must be > 0 and backoff_s={self.backoff_s} >= 0"
             )
 
 
@@ -398,7 +393,6 @@ def collect_rollouts(
         raise ValueError(f"collect_rollouts: order must be a permutation of the {len(rows)} row indices")
     keys = [prompt_key(row) for row in rows]
     replicas = spread_prompts([keys[index] for index in dispatch_order], len(run_urls))
-    leaders = {keys[index]: index for index in reversed(dispatch_order)}  # each prompt's first row
     targets = {index: (replicas[keys[index]], rows[index]) for index in dispatch_order}
     if settings.spread_group_samples and len(run_urls) > 1:
         dealt: Counter[str] = Counter()
@@ -423,8 +417,6 @@ def collect_rollouts(
         replica, row = targets[index]
         url = run_urls[replica]
         loop = asyncio.get_running_loop()
-        if settings.follower_delay_s > 0 and leaders[key] != index:
-            await asyncio.sleep(settings.follower_delay_s)
         async with limit:
             while attempts < settings.max_attempts:
                 try:

@@ -134,7 +134,6 @@ def test_nemotron_recipe_asks_for_transformer_engine() -> None:
             ["rollout.coalesce_window_ms=100", "rollout.coalesce_max_wait_ms=50"],
             "needs rollout.coalesce_window_ms above 0 and at most it",
         ),
-        (["rollout.follower_delay_ms=100"], "needs rollout.declare_groups"),
         (["rollout.spread_group_samples=true"], "needs rollout.gym_workers >= 2"),
         (["task.later_clips=blank"], "apply to task.segments_question='last' only"),
         (["task.segments_question=last"], "task.environment='segments' only"),

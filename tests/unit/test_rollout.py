@@ -35,7 +35,6 @@ class _Agent:
     def __init__(self) -> None:
         self.attempts: Counter[str] = Counter()
         self.order: list[str] = []
-        self.arrived: dict[str, float] = {}
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -61,7 +60,6 @@ def _serve_agent() -> Iterator[tuple[str, _Agent]]:
                 attempt = state.attempts[row["id"]]
                 state.attempts[row["id"]] += 1
                 state.order.append(row["id"])
-                state.arrived.setdefault(row["id"], time.monotonic())
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             time.sleep(row.get("delay_s", 0.02))
@@ -211,24 +209,6 @@ def test_a_named_model_replica_is_taken_out_of_the_request() -> None:
             take_model_replica({"input": "x", "metadata": {MODEL_REPLICA_KEY: named}})
 
 
-def test_a_groups_later_samples_are_posted_after_the_follower_delay_its_first_at_once(
-    agent: tuple[str, _Agent],
-) -> None:
-    url, state = agent
-    prompts = [{"plan": [200], "responses_create_params": {"input": f"prompt {i}"}} for i in range(4)]
-    rows, order = declared_groups(prompts, 3)
-    rows = [{**row, "id": f"{index}"} for index, row in enumerate(rows)]
-    started = time.monotonic()
-    settings = RolloutSettings(max_in_flight=12, follower_delay_s=0.4)
-    _, stats = collect_rollouts(url, rows, settings, order=order)
-    assert stats.outcomes == {"ok": len(rows)}
-    leaders, followers = {str(i) for i in order[:4]}, {str(i) for i in order[4:]}
-    assert leaders == {"0", "3", "6", "9"}
-    assert state.order[:4] and set(state.order[:4]) == leaders, state.order
-    assert all(state.arrived[i] - started >= 0.4 for i in followers)
-    assert max(state.arrived[i] for i in leaders) < min(state.arrived[i] for i in followers)
-
-
 def test_every_row_ends_in_one_outcome_with_retries_for_infra_errors(agent: tuple[str, _Agent]) -> None:
     url, state = agent
     plans = {
@@ -336,8 +316,8 @@ def test_connection_refused_is_an_infra_failure() -> None:
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="max_in_flight=0"):
         RolloutSettings(max_in_flight=0)
-    with pytest.raises(ValueError, match="follower_delay_s=-1"):
-        RolloutSettings(follower_delay_s=-1)
+    with pytest.raises(ValueError, match="backoff_s=-1"):
+        RolloutSettings(backoff_s=-1)
 
 
 # -- a supervised backend, killed under the rollout --------------------------------------------------

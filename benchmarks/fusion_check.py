@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from rl_bridge.grpo import GRPOLossConfig
 from rl_bridge.megatron.cpu_support import single_process_group
 from rl_bridge.megatron.fusion import fuse_weight_gradient_accumulation
 from rl_bridge.megatron.multi_tensor import use_foreach_multi_tensor
@@ -66,9 +65,7 @@ def run(
     use_foreach_multi_tensor(True)
 
     base, _ = observed["neither"]
-    moved = max(
-        float((n - o).abs().max()) for n, o in zip(base.new_logprobs, base.old_logprobs, strict=True)
-    )
+    moved = max(float((n - o).abs().max()) for n, o in zip(base.new_logprobs, base.old_logprobs, strict=True))
     report: dict[str, Any] = {
         "checkpoint": hf_path.name,
         "device": torch.cuda.get_device_name(),

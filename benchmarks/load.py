@@ -265,8 +265,8 @@ def build_setup(model_name: str, frames: int, gpu_memory_utilization: float) -> 
     if model_name == "tiny":
         model, max_model_len = build_tiny_model("qwen2_5_vl", seed=0), 4096
     else:
-        from rl_bridge.tasks import checkpoint_dir
         from rl_bridge.recipe import load_recipe
+        from rl_bridge.tasks import checkpoint_dir
 
         recipe = load_recipe(project_root() / GPU_RECIPE)
         model, max_model_len = checkpoint_dir(recipe.model), recipe.model.max_model_len

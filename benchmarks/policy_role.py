@@ -118,6 +118,62 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def measure_policy(
+    result: dict[str, Any],
+    *,
+    checkpoint: Path,
+    config: Any,
+    samples: list[Any],
+    media: list[Any],
+    plain: list[Any],
+    num_steps: int,
+    tokens: int,
+    flops: float,
+    peak_tflops: float,
+    device: torch.device,
+) -> None:
+    """The policy's build, ``pi_old`` logprob pass and ``num_steps`` train steps, recorded in
+    ``result``; the policy and its batches go out of scope on return."""
+    from rl_bridge.grpo import GRPOLossConfig
+    from rl_bridge.megatron.policy import MegatronPolicy
+    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
+
+    reset_peak(device)
+    build_s, policy = timed(lambda: MegatronPolicy(checkpoint, config), device)
+    result["policy_build_s"] = round(build_s, 1)
+    result["policy_after_build"] = memory(device)
+    logprob_s, old = timed(lambda: policy.logprobs(plain), device)
+    train_batch = policy_batch(samples, media, old)
+    loss = GRPOPolicyLoss(GRPOLossConfig())
+    steps = []
+    for step in range(num_steps):
+        seconds, metrics = timed(lambda: policy.train_step(train_batch, loss), device)
+        steps.append(
+            {
+                "step": step + 1,
+                "seconds": round(seconds, 2),
+                "loss": metrics.loss,
+                "grad_norm": metrics.grad_norm,
+            }
+        )
+        print(f"[policy] train step {step + 1}: {seconds:.1f} s", flush=True)
+    # Steady-state steps (the first also allocates the optimizer's state).
+    steady = [s["seconds"] for s in steps[1:]] or [s["seconds"] for s in steps]
+    step_s = sum(steady) / len(steady)
+    result["policy"] = {
+        "logprobs_s": round(logprob_s, 2),
+        "logprobs_tokens_per_s": round(tokens / logprob_s),
+        "logprobs_mfu": round(flops / logprob_s / (peak_tflops * 1e12), 4),
+        "train_steps": steps,
+        "train_step_s": round(step_s, 2),
+        "train_tokens_per_s": round(tokens / step_s),
+        "train_mfu": round(3 * flops / step_s / (peak_tflops * 1e12), 4),
+        "state_gib": {name: gib(value) for name, value in policy.state_bytes().items()},
+        **memory(device),
+    }
+    print(f"[policy] {json.dumps(result['policy'])}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("qwen2.5-vl-3b", "tiny"), default="qwen2.5-vl-3b")
@@ -128,9 +184,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
-    from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
-    from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
     recipe = yaml.safe_load(RECIPE.read_text())
     shape, count, micro_batch = rank_shape(recipe, args.preset, args.samples)
@@ -160,37 +214,21 @@ def main() -> None:
             "tokens": tokens,
         }
 
-        reset_peak(device)
-        build_s, policy = timed(lambda: MegatronPolicy(checkpoint, config), device)
-        result["policy_build_s"] = round(build_s, 1)
-        result["policy_after_build"] = memory(device)
         plain = policy_batch(samples, media)
-        logprob_s, old = timed(lambda: policy.logprobs(plain), device)
-        train_batch = policy_batch(samples, media, old)
-        loss = GRPOPolicyLoss(GRPOLossConfig())
-        steps = []
-        for step in range(args.steps):
-            seconds, metrics = timed(lambda: policy.train_step(train_batch, loss), device)
-            steps.append({"step": step + 1, "seconds": round(seconds, 2), "loss": metrics.loss,
-                          "grad_norm": metrics.grad_norm})
-            print(f"[policy] train step {step + 1}: {seconds:.1f} s", flush=True)
-        # Steady-state steps (the first also allocates the optimizer's state).
-        steady = [s["seconds"] for s in steps[1:]] or [s["seconds"] for s in steps]
-        step_s = sum(steady) / len(steady)
-        result["policy"] = {
-            "logprobs_s": round(logprob_s, 2),
-            "logprobs_tokens_per_s": round(tokens / logprob_s),
-            "logprobs_mfu": round(flops / logprob_s / (args.peak_tflops * 1e12), 4),
-            "train_steps": steps,
-            "train_step_s": round(step_s, 2),
-            "train_tokens_per_s": round(tokens / step_s),
-            "train_mfu": round(3 * flops / step_s / (args.peak_tflops * 1e12), 4),
-            "state_gib": {name: gib(value) for name, value in policy.state_bytes().items()},
-            **memory(device),
-        }
-        print(f"[policy] {json.dumps(result['policy'])}", flush=True)
-
-        del policy, old, train_batch
+        measure_policy(
+            result,
+            checkpoint=checkpoint,
+            config=config,
+            samples=samples,
+            media=media,
+            plain=plain,
+            num_steps=args.steps,
+            tokens=tokens,
+            flops=flops,
+            peak_tflops=args.peak_tflops,
+            device=device,
+        )
+        # The policy is freed when measure_policy returns.
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

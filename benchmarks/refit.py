@@ -156,7 +156,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     models = {"tiny Qwen2.5-VL": {}} | ({} if args.quick else {"Qwen2.5-VL-shaped ~400M": LARGE})
-    rows = [bench(name, overrides, repeats=args.repeats, bucket_mb=args.bucket_mb) for name, overrides in models.items()]
+    rows = [
+        bench(name, overrides, repeats=args.repeats, bucket_mb=args.bucket_mb)
+        for name, overrides in models.items()
+    ]
     print(
         f"\n{'model':<26} {'params':>8} {'MiB':>8} {'disk s':>8} {'memory s':>9} {'ratio':>6} "
         f"{'buckets':>7} {'connect s':>9}  same logprobs"

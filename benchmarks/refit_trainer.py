@@ -108,7 +108,9 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-vl-3b")
-    parser.add_argument("--workdir", default=None, help="keeps the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", default=None, help="keeps the checkpoint (default: a temporary directory)"
+    )
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -135,8 +137,17 @@ def main() -> None:
             cases = {k: v for k, v in cases.items() if "host" in k}
         for name, fn in cases.items():
             seconds, (count, nbytes) = timed(fn, device, args.repeats)
-            rows[name] = {"seconds": seconds, "count": count, "bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9}
-            print(f"{name:<24} {seconds:8.3f} s  {nbytes / 1e9:7.3f} GB  {nbytes / seconds / 1e9:6.2f} GB/s  ({count})", flush=True)
+            rows[name] = {
+                "seconds": seconds,
+                "count": count,
+                "bytes": nbytes,
+                "gb_per_s": nbytes / seconds / 1e9,
+            }
+            print(
+                f"{name:<24} {seconds:8.3f} s  {nbytes / 1e9:7.3f} GB  "
+                f"{nbytes / seconds / 1e9:6.2f} GB/s  ({count})",
+                flush=True,
+            )
     result = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -471,7 +471,9 @@ def model_flops(config: dict[str, Any], samples: list[Sample]) -> dict[str, floa
                 patches * (patch_dim * hidden + vision["depth"] * block_weights)
                 + patches // vision["spatial_merge_size"] ** 2 * merger_weights
             )
-            windows, frames = ([], [grid[1] * grid[2]] * grid[0]) if qwen3 else _window_lengths(config, tuple(grid))
+            windows, frames = (
+                ([], [grid[1] * grid[2]] * grid[0]) if qwen3 else _window_lengths(config, tuple(grid))
+            )
             out["vision_attention"] += (
                 4.0
                 * hidden
@@ -649,7 +651,9 @@ def run_hf(args: argparse.Namespace, preset: Preset, device: torch.device) -> di
 
     runs = []
     # Qwen3-VL's vision tower attends per frame (one length per video): nothing to batch there.
-    variants = [("hf", None)] + ([] if qwen3 else [("hf+segment_batched", use_segment_batched_vision_attention)])
+    variants = [("hf", None)] + (
+        [] if qwen3 else [("hf+segment_batched", use_segment_batched_vision_attention)]
+    )
     for name, prepare in variants:
         if prepare is not None:
             prepare(model)
@@ -689,9 +693,7 @@ def processed_media(samples: list[Sample], video_token_id: int) -> list[Any]:
     return out
 
 
-def policy_batch(
-    samples: list[Sample], media: list[Any], old: list[torch.Tensor] | None = None
-) -> list[Any]:
+def policy_batch(samples: list[Sample], media: list[Any], old: list[torch.Tensor] | None = None) -> list[Any]:
     """The samples as ``rl_bridge.megatron.batch.PolicySample``, with ``old`` logprobs if given."""
     from rl_bridge.megatron.batch import PolicySample
 
@@ -769,7 +771,10 @@ def run_megatron(args: argparse.Namespace, preset: Preset, device: torch.device)
     # Two samples per micro-batch do not fit in 140 GB without recomputation (measured on an H200).
     qwen3 = _qwen3(preset.config)
     if qwen3:  # its megatron-core vision tower: no HF attention to swap
-        variants = [("megatron", None, 1), ("megatron+fused", lambda _model: fused.update(policy.fuse_kernels()), 1)]
+        variants = [
+            ("megatron", None, 1),
+            ("megatron+fused", lambda _model: fused.update(policy.fuse_kernels()), 1),
+        ]
         if full_recompute:
             variants = [("megatron+full_recompute", None, 1), ("megatron+full_recompute+mbs2", None, 2)]
     elif full_recompute:

@@ -528,7 +528,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gym_video_
 
 
 def _row_generator_names() -> list[str]:
-    """The names of the installed row generators (:data:`~gym_video_env.environments.ROW_GENERATORS_GROUP`)."""
+    """The names of the installed row generators
+    (:data:`~gym_video_env.environments.ROW_GENERATORS_GROUP`)."""
     return sorted(ep.name for ep in metadata.entry_points(group=ROW_GENERATORS_GROUP))
 
 

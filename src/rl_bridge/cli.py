@@ -433,7 +433,9 @@ def _parser() -> argparse.ArgumentParser:
         "install.sh (docs/INSTALL.md).",
     )
     wsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = wsub.add_parser("build", help="write a wheelhouse into OUT", description="Write a wheelhouse into OUT.")
+    p = wsub.add_parser(
+        "build", help="write a wheelhouse into OUT", description="Write a wheelhouse into OUT."
+    )
     p.add_argument("out", type=Path, help="directory to write (created)")
     p.add_argument("--python", required=True, help="the host's Python, MAJOR.MINOR (e.g. 3.12)")
     p.add_argument("--torch", required=True, help="the host's torch version (e.g. 2.11.0)")

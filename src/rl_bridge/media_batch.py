@@ -176,7 +176,10 @@ class MediaStore:
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            requests=self._requests, processed=self._processed, unique_bytes=self._bytes, evicted=self._evicted
+            requests=self._requests,
+            processed=self._processed,
+            unique_bytes=self._bytes,
+            evicted=self._evicted,
         )
 
     def _read(self, part: MediaPart) -> tuple[tuple[str, int, int] | None, bytes | None]:

@@ -115,7 +115,9 @@ def canonical_action_tokens(model_dir: str | Path, choices: Sequence[str]) -> li
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"canonical_action_tokens: the tokenizer of {model_dir} has no end token")
-    tokens = {int(token) for choice in choices for token in tokenizer.encode(choice, add_special_tokens=False)}
+    tokens = {
+        int(token) for choice in choices for token in tokenizer.encode(choice, add_special_tokens=False)
+    }
     pieces = {token: tokenizer.decode([token]) for token in tokens}
     for choice in choices:
         spellings = _spellings(choice, pieces)

@@ -43,7 +43,9 @@ class BucketLayout:
                 f"update_info: names, dtype_names, shapes and offsets differ in length "
                 f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}, {len(self.offsets)})"
             )
-        for name, dtype_name, shape, offset in zip(self.names, self.dtype_names, self.shapes, self.offsets):
+        for name, dtype_name, shape, offset in zip(
+            self.names, self.dtype_names, self.shapes, self.offsets, strict=True
+        ):
             end = offset + _nbytes(shape, _dtype(dtype_name, name))
             if offset % BUCKET_ALIGNMENT or end > self.nbytes:
                 raise ValueError(
@@ -84,7 +86,9 @@ def bucket_layout(tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
 def unpack_bucket(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
     """Views of ``buffer`` (``uint8``, at least ``layout.nbytes`` long) as the bucket's tensors."""
     out = []
-    for name, dtype_name, shape, offset in zip(layout.names, layout.dtype_names, layout.shapes, layout.offsets):
+    for name, dtype_name, shape, offset in zip(
+        layout.names, layout.dtype_names, layout.shapes, layout.offsets, strict=True
+    ):
         dtype = _dtype(dtype_name, name)
         raw = buffer[offset : offset + _nbytes(shape, dtype)]
         out.append((name, raw.view(dtype).view(shape)))

@@ -255,7 +255,9 @@ def trainer_factory_init(
     if trainer_engine_takes_config(version):
         backend = type(init_info).backend
         (config,) = trainer_engine_config_args(backend, version)
-        return WeightTransferTrainerFactory.trainer_init(backend, config, init_info, client=client, source=source)
+        return WeightTransferTrainerFactory.trainer_init(
+            backend, config, init_info, client=client, source=source
+        )
     return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
 
 
@@ -286,7 +288,12 @@ def ipc_update_payload(
     ``ipc_handles``; :class:`~rl_bridge.refit.client.RefitClient` pickles them for HTTP). A
     ``tensor_sizes`` list means a packed chunk (one buffer); before 0.27 the update also says
     ``packed`` (see :func:`ipc_worker_init_payload`)."""
-    payload: dict[str, Any] = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": ipc_handles}
+    payload: dict[str, Any] = {
+        "names": names,
+        "dtype_names": dtype_names,
+        "shapes": shapes,
+        "ipc_handles": ipc_handles,
+    }
     if tensor_sizes is not None:
         payload["tensor_sizes"] = tensor_sizes
     if not _since(0, 27, version):

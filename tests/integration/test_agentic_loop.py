@@ -26,8 +26,8 @@ import json
 
 import pytest
 
-from rl_bridge.recipe import load_recipe
 from rl_bridge.paths import project_root
+from rl_bridge.recipe import load_recipe
 from tests.fixtures.training import TrainedRun, train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -60,7 +60,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     return trained
 
 
-def test_every_trajectory_starts_with_a_real_tool_call_whose_clip_reaches_the_next_turn(run: TrainedRun) -> None:
+def test_every_trajectory_starts_with_a_real_tool_call_whose_clip_reaches_the_next_turn(
+    run: TrainedRun,
+) -> None:
     assert [r["step"] for r in run.steps] == list(range(1, STEPS + 1))
     for record in run.steps:
         # The first turn may only call (the first call's choice holds the calls alone).
@@ -69,7 +71,9 @@ def test_every_trajectory_starts_with_a_real_tool_call_whose_clip_reaches_the_ne
         assert record["preprocess/turns_per_sample"] >= 2.0
         # Every call names a segment in range and returns its clip; the clips of calls followed by
         # a model turn reach the trainer (a call in the last allowed turn is never answered).
-        assert 1.0 <= record["preprocess/media/videos_per_sample"] <= record["preprocess/tool_calls_per_sample"]
+        assert (
+            1.0 <= record["preprocess/media/videos_per_sample"] <= record["preprocess/tool_calls_per_sample"]
+        )
         assert record["preprocess/media/placeholder_pass_rate"] == 1.0
         checked = record["preprocess/media/placeholder_turns_checked"]
         assert checked == record["preprocess/media/placeholder_turns_passed"] >= 2 * ROWS

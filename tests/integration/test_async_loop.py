@@ -177,7 +177,9 @@ def test_every_group_is_trained_exactly_once_across_the_kill(
     assert all(0 <= g["age"] <= 1 for g in groups)
 
     steps = [r for r in _records(run_dir / "metrics.jsonl") if "time/step_s" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # steps logged after the checkpoint were dropped
+    assert [r["step"] for r in steps] == list(
+        range(1, STEPS + 1)
+    )  # steps logged after the checkpoint were dropped
     for record in steps:
         rows = record["async/groups"] * GROUP
         assert record["rollout/rows"] == rows

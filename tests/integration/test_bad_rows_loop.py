@@ -152,9 +152,7 @@ def test_metrics_account_for_every_row(run: Run, record_fault: FaultRecorder) ->
     assert sum(totals.values()) > 0
 
 
-def test_each_bad_row_is_masked_with_a_reason_naming_its_file(
-    run: Run, record_fault: FaultRecorder
-) -> None:
+def test_each_bad_row_is_masked_with_a_reason_naming_its_file(run: Run, record_fault: FaultRecorder) -> None:
     _, _, masked, bad = run
     by_row: dict[str, list[dict]] = {}
     for entry in masked:

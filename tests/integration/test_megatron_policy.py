@@ -264,7 +264,9 @@ def test_normaliser_counts_the_weighted_sequences_whatever_the_split(
         torch.testing.assert_close(gradient, one_grads[name], rtol=0, atol=1e-5 * max(scale, 1e-12))
 
 
-def test_training_forward_returns_pi_old_without_a_separate_pass(trained: Trained, tiny_qwen25vl: Path) -> None:
+def test_training_forward_returns_pi_old_without_a_separate_pass(
+    trained: Trained, tiny_qwen25vl: Path
+) -> None:
     """With one optimizer step per rollout batch the step's own forward gives ``pi_old``: the same
     values as :meth:`MegatronPolicy.logprobs` before the step, and the same update as with them."""
     policy = MegatronPolicy(tiny_qwen25vl, policy_config())
@@ -320,12 +322,18 @@ def test_with_several_minibatches_the_clip_acts_and_clipped_tokens_get_no_gradie
     width = micro.input_ids.shape[1]
     logprobs = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in current])
     logprobs.requires_grad_()
-    loss, metrics = grpo_loss(logprobs, micro.advantages, micro.target_mask, config, old_logprobs=micro.old_logprobs)
+    loss, metrics = grpo_loss(
+        logprobs, micro.advantages, micro.target_mask, config, old_logprobs=micro.old_logprobs
+    )
     loss.backward()
     ratio = (logprobs.detach() - micro.old_logprobs).exp()
     adv = micro.advantages.unsqueeze(-1)
-    clipped = micro.target_mask & (((ratio > 1 + config.eps_high) & (adv > 0)) | ((ratio < 1 - config.eps_low) & (adv < 0)))
-    assert clipped.any() and metrics["clip/frac"].item() == pytest.approx(second.loss_metrics["clip/frac"], abs=1e-6)
+    clipped = micro.target_mask & (
+        ((ratio > 1 + config.eps_high) & (adv > 0)) | ((ratio < 1 - config.eps_low) & (adv < 0))
+    )
+    assert clipped.any() and metrics["clip/frac"].item() == pytest.approx(
+        second.loss_metrics["clip/frac"], abs=1e-6
+    )
     assert torch.all(logprobs.grad[clipped] == 0)
     assert torch.all(logprobs.grad[micro.target_mask & ~clipped] != 0)
 
@@ -396,7 +404,6 @@ def test_resume_reproduces_the_next_step_exactly(
     assert not mismatched, (
         f"weights differ after the resumed step (optimizer state not restored?): {mismatched}"
     )
-
 
 
 def test_resume_restores_the_distributed_optimizers_state(
@@ -481,12 +488,14 @@ for name, support in (("support", torch.tensor([1, 4, 7, 9])), ("support_one_sha
     masked[:, support] = full[:, support]
     reference = torch.log_softmax(masked / temperature, dim=-1).gather(-1, picked[:, None])[:, 0]
     (reference * upstream).sum().backward()
-    result[name] = max((values - reference).abs().max().item(), (shard.grad - full.grad[:, local]).abs().max().item())
+    result[name] = max((values - reference).abs().max().item(),
+                       (shard.grad - full.grad[:, local]).abs().max().item())
 # The entropy of the same distributions, with its gradient, over the vocabulary and each support.
 entropy_upstream = torch.randn(rows, generator=generator)
 for name, support in (("entropy", None), ("entropy_support", torch.tensor([1, 4, 7, 9])),
                       ("entropy_support_one_shard", torch.tensor([0, 2]))):
-    picked = targets if support is None else support[torch.randint(0, len(support), (rows,), generator=generator)]
+    picked = (targets if support is None
+              else support[torch.randint(0, len(support), (rows,), generator=generator)])
     shard = logits[:, local].clone().requires_grad_()
     values, entropy = token_logprobs(shard, picked, vocab_size=vocab, temperature=temperature,
                                      tp_group=dist.group.WORLD, support=support, max_chunk_elements=12,
@@ -500,7 +509,8 @@ for name, support in (("entropy", None), ("entropy_support", torch.tensor([1, 4,
     reference = log_p.gather(-1, picked[:, None])[:, 0]
     naive_entropy = -(log_p.exp() * log_p).sum(dim=-1)
     (reference * upstream + naive_entropy * entropy_upstream).sum().backward()
-    result[name] = max((entropy - naive_entropy).abs().max().item(), (shard.grad - full.grad[:, local]).abs().max().item())
+    result[name] = max((entropy - naive_entropy).abs().max().item(),
+                       (shard.grad - full.grad[:, local]).abs().max().item())
 print(json.dumps(result))
 dist.destroy_process_group()
 """

@@ -94,7 +94,9 @@ def dp_run(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> TPR
     )
 
 
-def test_dp2_with_split_micro_batches_and_a_masked_sample_takes_the_single_process_step(dp_run: TPRun) -> None:
+def test_dp2_with_split_micro_batches_and_a_masked_sample_takes_the_single_process_step(
+    dp_run: TPRun,
+) -> None:
     """DP = 2 x two micro-batches of one against DP = 1 x one micro-batch of four: same loss, same
     gradient norm, same updated policy (fp32; the summation order differs, within 1e-5)."""
     report = dp_run.report
@@ -109,7 +111,9 @@ def test_dp2_with_split_micro_batches_and_a_masked_sample_takes_the_single_proce
     assert report["weights_max_abs_diff"] <= LOGPROB_TOLERANCE, report["weights_max_abs_diff_name"]
 
 
-def test_two_pipeline_stages_equal_one_process(tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path) -> None:
+def test_two_pipeline_stages_equal_one_process(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tp_model: Path
+) -> None:
     """PP = 2 (vision tower, embedding and the first language layer on one stage, the second layer and
     the output layer on the other; activations of unequal micro-batches passed between them): the
     same logprobs, step, exported weights and resumed step as one process (fp32; the arithmetic is

@@ -17,8 +17,8 @@ import json
 
 import pytest
 
-from rl_bridge.recipe import load_recipe
 from rl_bridge.paths import project_root
+from rl_bridge.recipe import load_recipe
 from tests.fixtures.training import TrainedRun, train_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

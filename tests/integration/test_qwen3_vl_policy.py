@@ -92,12 +92,17 @@ def test_the_model_is_built_from_local_layers(policy: MegatronPolicy) -> None:
     model = policy.model[0].module
     assert isinstance(model, Qwen3VLModel)
     modules = list(model.modules())
-    te_modules = [type(m).__name__ for m in modules if type(m).__module__.startswith("megatron.core.extensions")]
+    te_modules = [
+        type(m).__name__ for m in modules if type(m).__module__.startswith("megatron.core.extensions")
+    ]
     assert not te_modules
     vision_attention = model.vision_model.decoder.layers[0].self_attention.core_attention
     assert isinstance(vision_attention, SDPADotProductAttention)
     # The language layers' causal attention through SDPA, not the upstream fp32 score matrix.
-    assert all(layer.self_attention._local_causal_attention is _sdpa_causal for layer in model.language_model.decoder.layers)
+    assert all(
+        layer.self_attention._local_causal_attention is _sdpa_causal
+        for layer in model.language_model.decoder.layers
+    )
     mergers = [m for m in modules if isinstance(m, Qwen3VLVisionPatchMerger)]
     assert len(mergers) == 2  # the final merger and one DeepStack merger (the tiny model's index 0)
     x = torch.linspace(-3, 3, 7)

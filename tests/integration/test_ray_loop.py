@@ -202,9 +202,9 @@ def test_each_role_ran_in_its_own_ray_actor(run: tuple[dict, list[dict], dict]) 
     assert not actor_pids & set(placement["gym"]["server_pids"].values())
     assert placement["policy_layouts"] == [
         {
-            "rank": rank, "world_size": 2, "tensor_parallel": 2, "data_parallel": 1, "tensor_parallel_rank": rank,
-            "data_parallel_rank": 0, "device": "cpu", "backend": "gloo", "pipeline_parallel": 1,
-            "pipeline_parallel_rank": 0,
+            "rank": rank, "world_size": 2, "tensor_parallel": 2, "data_parallel": 1,
+            "tensor_parallel_rank": rank, "data_parallel_rank": 0, "device": "cpu", "backend": "gloo",
+            "pipeline_parallel": 1, "pipeline_parallel_rank": 0,
         }
         for rank in (0, 1)
     ]  # fmt: skip

@@ -4,8 +4,9 @@ exactly once, ok or counted as failed.
 
 Servers: the session's ``vllm_corpus_server`` (``tests/fixtures/vllm.py``: this package's loader
 selected server-wide, as the bad-input tests run it; not the ``vllm_server`` other tests use, since
-it is killed here; the supervisor restarts it with the same command), and one Gym config with the ``video_vllm_model`` model server, two ``simple_agent`` agents and two
-resources servers: ``video_mcqa``, and ``flaky_mcqa``, a small Gym resources server written below
+it is killed here; the supervisor restarts it with the same command), and one Gym config with
+the ``video_vllm_model`` model server, two ``simple_agent`` agents and two resources servers:
+``video_mcqa``, and ``flaky_mcqa``, a small Gym resources server written below
 that fails by the row's ``fault`` field (HTTP 500 always, HTTP 500 once, or a hang once).
 """
 
@@ -41,7 +42,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MCQA_AGENT = "mcqa_agent"
 FLAKY_AGENT = "flaky_agent"
 
-FLAKY_SERVER = '''"""A resources server that fails on purpose, by the row's ``fault``: ``error`` (HTTP 500 on every
+FLAKY_SERVER = '''\
+"""A resources server that fails on purpose, by the row's ``fault``: ``error`` (HTTP 500 on every
 call), ``flaky`` (HTTP 500 on the first call), ``hang`` (no answer on the first call); reward 1.0."""
 
 import asyncio
@@ -128,8 +130,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, vllm_corpus_server: VLLMServ
         mcqa,
         flaky,
         *(
-            GymServerSpec(name, "responses_api_agents", "simple_agent",
-                          {"resources_server": server.ref(), "model_server": model.ref(), "max_steps": 1})
+            GymServerSpec(
+                name,
+                "responses_api_agents",
+                "simple_agent",
+                {"resources_server": server.ref(), "model_server": model.ref(), "max_steps": 1},
+            )
             for name, server in ((MCQA_AGENT, mcqa), (FLAKY_AGENT, flaky))
         ),
     ]
@@ -222,8 +228,15 @@ def test_failing_and_hanging_resources_server_rows_are_retried_then_counted(
     refused = {**stack.rows[-1], "row_id": "row-refused", "fault": "none"}
     refused["responses_create_params"] = {
         **refused["responses_create_params"],
-        "input": [{"role": "user", "content": [{"type": "input_video", "video_url": "../../outside.mp4"},
-                                                {"type": "input_text", "text": "Which colour?"}]}],
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_video", "video_url": "../../outside.mp4"},
+                    {"type": "input_text", "text": "Which colour?"},
+                ],
+            }
+        ],
     }
     rows.append(refused)
     settings = RolloutSettings(max_in_flight=4, max_attempts=2, timeout_s=30, backoff_s=0.5)
@@ -248,7 +261,11 @@ def test_failing_and_hanging_resources_server_rows_are_retried_then_counted(
     assert all(r.outcome == "ok" and r.attempts == 2 for r in by_fault["flaky"] + by_fault["hang"])
     assert all(r.outcome == "infra_failed" and r.attempts == 2 for r in by_fault["error"])
     (refusal,) = by_fault["refused"]
-    assert refusal.outcome == "content_failed" and refusal.attempts == 1 and "invalid_media" in (refusal.error or "")
+    assert (
+        refusal.outcome == "content_failed"
+        and refusal.attempts == 1
+        and "invalid_media" in (refusal.error or "")
+    )
     assert stats.outcomes == {"ok": 8, "infra_failed": 2, "content_failed": 1}
     assert stats.retries == 2 + 2 + 2 and stats.redispatches == 0 and stats.server_restarts == 0
     # The servers still answer a good row.

@@ -74,7 +74,9 @@ def test_both_servers_took_rollouts(run: TrainedRun) -> None:
 def test_both_servers_serve_the_refitted_weights_and_match_the_trainer(run: TrainedRun) -> None:
     assert run.summary["served_weight_version"] == f"step-{STEPS}"  # every server agrees
     served = checkpoint_dir(load_recipe(None, [f"run_dir={run.run_dir}"]).model)
-    model_bytes = sum(t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values())
+    model_bytes = sum(
+        t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values()
+    )
     for step in run.steps:
         # In memory, from rank 0 of the two: every tensor of the model to each server.
         assert step["refit/bytes"] == 2 * model_bytes

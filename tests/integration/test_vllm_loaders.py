@@ -197,7 +197,10 @@ class Served:
     params=[
         pytest.param(
             name,
-            marks=[pytest.mark.uses_vllm(f.server_fixture), *([NEEDS_MAMBA_ON_CPU] if name == "nemotron_vl" else [])],
+            marks=[
+                pytest.mark.uses_vllm(f.server_fixture),
+                *([NEEDS_MAMBA_ON_CPU] if name == "nemotron_vl" else []),
+            ],
         )
         for name, f in FAMILIES.items()
     ],

@@ -177,14 +177,22 @@ def test_in_memory_refit_equals_the_disk_refit_and_restores_exactly(
     finally:
         seed1.close()
     assert (result.weight_version, client.weight_version()) == ("memory-seed1", "memory-seed1")
-    assert last is not None and last.buckets > 1 and last.tensors == len(load_file(str(exports["seed1"] / "model.safetensors")))
+    assert (
+        last is not None
+        and last.buckets > 1
+        and last.tensors == len(load_file(str(exports["seed1"] / "model.safetensors")))
+    )
     changed = logprobs(server, sample_video)
     assert changed != original and changed == from_disk
     # vLLM's checksums cover the parameters it keeps as they were loaded (on CPU the linear
     # layers serve a repacked copy, which the equality with the disk refit covers): among them
     # the vision tower's patch embedding changed, so did the language model's.
     if compat.has_weight_checker_route():
-        moved = {name.rpartition(":")[2] for name, value in checksums(server).items() if original_sums.get(name) != value}
+        moved = {
+            name.rpartition(":")[2]
+            for name, value in checksums(server).items()
+            if original_sums.get(name) != value
+        }
         assert "visual.patch_embed.proj.weight" in moved, sorted(moved)
         assert "language_model.model.embed_tokens.weight" in moved, sorted(moved)
 
@@ -255,7 +263,11 @@ def test_after_a_restart_the_sender_reconnects_and_the_weights_go_across_again(
         server.restart()
         assert client.weight_version() == "default" and logprobs(server, sample_video) == original
         sync.connect(  # drops the dead group first
-            server.base_url, backend=GLOO_BACKEND, master_address="127.0.0.1", master_port=free_port(), timeout_s=120
+            server.base_url,
+            backend=GLOO_BACKEND,
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            timeout_s=120,
         )
         client.refit_with(sync.send, version="seed1")
         assert client.weight_version() == "seed1"

@@ -105,7 +105,9 @@ def test_file_urls_outside_the_allowed_directory_are_refused(vllm_server: VLLMSe
     assert vllm_server.process.poll() is None
 
 
-def test_qwen3vl_serves_video_like_hf(vllm_qwen3vl: VLLMServer, tiny_qwen3vl: Path, sample_video: Path) -> None:
+def test_qwen3vl_serves_video_like_hf(
+    vllm_qwen3vl: VLLMServer, tiny_qwen3vl: Path, sample_video: Path
+) -> None:
     assert vllm_qwen3vl.config.model == tiny_qwen3vl and vllm_qwen3vl.config.dtype == "float32"
     result = _chat(vllm_qwen3vl, sample_video, max_tokens=4)
     assert 0 < len(result["choices"][0]["token_ids"]) <= 4
@@ -120,7 +122,11 @@ def test_nemotron_vl_serves_video_with_dummy_weights(
 ) -> None:
     num_frames = 8
     config = vllm_nemotron_vl.config
-    assert (config.model, config.load_format, config.enable_prefix_caching) == (tiny_nemotron_vl, "dummy", False)
+    assert (config.model, config.load_format, config.enable_prefix_caching) == (
+        tiny_nemotron_vl,
+        "dummy",
+        False,
+    )
     assert config.media_io_kwargs == {"video": {"num_frames": num_frames}}  # the server-wide option
     result = _chat(vllm_nemotron_vl, sample_video, max_tokens=4)
     assert 0 < len(result["choices"][0]["token_ids"]) <= 4
@@ -168,13 +174,19 @@ def test_the_worker_runs_in_the_engine_process_only_when_asked_and_alone(tmp_pat
     inside = VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("-tp", "1"))
     assert server_env(inside, logging_config_path=logging_config)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     with pytest.raises(ValueError, match="single worker, but extra_args ask for --tensor-parallel-size 2"):
-        VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size", "2"))
+        VLLMServerConfig(
+            model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size", "2")
+        )
     # vLLM's parser takes --flag=N too, and a later size overrides an earlier one.
     with pytest.raises(ValueError, match="single worker, but extra_args ask for --pipeline-parallel-size 2"):
-        VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--pipeline-parallel-size=2",))
+        VLLMServerConfig(
+            model=tmp_path, worker_in_engine_process=True, extra_args=("--pipeline-parallel-size=2",)
+        )
     with pytest.raises(ValueError, match="single worker, but extra_args ask for -tp 4"):
         VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("-tp", "1", "-tp=4"))
-    assert VLLMServerConfig(model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size=1",))
+    assert VLLMServerConfig(
+        model=tmp_path, worker_in_engine_process=True, extra_args=("--tensor-parallel-size=1",)
+    )
 
 
 def test_a_grammar_of_tool_calls_constrains_decoding_as_the_trainer_replays_it(
@@ -184,8 +196,8 @@ def test_a_grammar_of_tool_calls_constrains_decoding_as_the_trainer_replays_it(
     accepted and decoded into exactly one of the choices on every supported vLLM release (vLLM
     before 0.31 could not compile such a ``choice``), and the trainer's replay of the same grammar
     allows every token vLLM generated."""
-    from rl_bridge.tasks import hermes_tool_call
     from rl_bridge.structured_outputs import GrammarMasks, choice_request_body
+    from rl_bridge.tasks import hermes_tool_call
 
     choices = ["A", "B", *(hermes_tool_call("watch_segment", {"segment": k}) for k in (1, 2, 3))]
     body = {

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from rl_bridge.recipe import load_recipe
 from rl_bridge.loop.collect import sync_row_order
 from rl_bridge.loop.replay import DataOrder
-from rl_bridge.tasks import prepare_task
 from rl_bridge.recipe import load_recipe
+from rl_bridge.tasks import prepare_task
 from video_grpo_demo.task import MEDIA_FAULT_KEY, with_bad_media
 
 pytestmark = pytest.mark.unit

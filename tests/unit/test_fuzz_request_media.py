@@ -29,7 +29,9 @@ MEDIA_TYPES = ("input_video", "input_image")
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=12,
 )
 
@@ -46,8 +48,19 @@ def media_root() -> Path:
 
 
 SOURCES = st.sampled_from(
-    ["clips/a.mp4", "clips/b.mp4", "cat.png", "clips/missing.mp4", "../outside.mp4", "/etc/passwd",
-     "file:///etc/passwd", "data:video/mp4;base64,AAAA", "http://example.com/a.mp4", "", "ftp://x/y"]
+    [
+        "clips/a.mp4",
+        "clips/b.mp4",
+        "cat.png",
+        "clips/missing.mp4",
+        "../outside.mp4",
+        "/etc/passwd",
+        "file:///etc/passwd",
+        "data:video/mp4;base64,AAAA",
+        "http://example.com/a.mp4",
+        "",
+        "ftp://x/y",
+    ]
 )
 HOSTILE_SOURCES = SOURCES | st.just("http://[::1") | st.text(max_size=10)
 
@@ -64,7 +77,9 @@ def media_parts(draw: st.DrawFn, hostile: bool = True) -> dict[str, Any]:
         value = {"url": source} if key == "image_url" and draw(st.booleans()) else source
     part: dict[str, Any] = {"type": kind, key: value}
     if hostile and draw(st.integers(0, 5)) == 0:
-        part[draw(st.sampled_from(["video_url", "image_url", "detail", "path", "extra"]))] = draw(JSON | SOURCES)
+        part[draw(st.sampled_from(["video_url", "image_url", "detail", "path", "extra"]))] = draw(
+            JSON | SOURCES
+        )
     return part
 
 
@@ -117,7 +132,9 @@ def _prepare(body: Any) -> dict[str, Any] | None:
 
 @FUZZ
 @given(body=BODIES)
-@example(body={"input": [{"role": "user", "content": [{"type": ["input_video"]}]}]}).via("unhashable part type")
+@example(body={"input": [{"role": "user", "content": [{"type": ["input_video"]}]}]}).via(
+    "unhashable part type"
+)
 @example(body={"input": [{"role": ["user"], "content": []}]}).via("unhashable role")
 @example(
     body={"input": [{"role": "user", "content": [{"type": "input_video", "video_url": "http://[::1"}]}]}
@@ -161,7 +178,9 @@ def check_gym_conversion(body: dict[str, Any]) -> None:
     except ValidationError:
         return  # Gym answers 422 naming the field: not a media question
     try:
-        chat = ResponsesConverter(return_token_id_information=False).responses_to_chat_completion_create_params(params)
+        chat = ResponsesConverter(
+            return_token_id_information=False
+        ).responses_to_chat_completion_create_params(params)
     except NotImplementedError:
         return  # Gym's documented refusal of content it cannot express in chat (audio, files...)
     messages = chat.model_dump()["messages"] if hasattr(chat, "model_dump") else chat["messages"]
@@ -187,9 +206,14 @@ def test_gym_converts_every_prepared_media_part() -> None:
         "print('gym conversion ok')\n"
     )
     result = subprocess.run(
-        [str(gym_python()), "-c", code], capture_output=True, text=True, timeout=180, check=False,
+        [str(gym_python()), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
         env={"PYTHONPATH": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
     )
     assert result.returncode == 0 and "gym conversion ok" in result.stdout, (
-        f"the Gym-side property failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        f"the Gym-side property failed (exit {result.returncode}):\n"
+        f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     )

@@ -88,7 +88,9 @@ def _assert_truncated(actual: list[int], exact: list[Fraction]) -> None:
 def _assert_rounded(actual: list[int], exact: list[Fraction]) -> None:
     for got, value in zip(actual, exact, strict=True):
         expected = round(value)  # half to even, as numpy and Python round
-        assert got == expected or (_near_half(value) and abs(got - value) <= Fraction(1, 2) + Fraction(1, 10**6))
+        assert got == expected or (
+            _near_half(value) and abs(got - value) <= Fraction(1, 2) + Fraction(1, 10**6)
+        )
 
 
 # -- any input: a valid sample or VideoSamplingError ----------------------------------------------
@@ -97,22 +99,31 @@ def _assert_rounded(actual: list[int], exact: list[Fraction]) -> None:
 @FUZZ
 @given(total=TOTAL, source_fps=ANY_RATE | st.just(0.0), duration=ANY_DURATION, contract=CONTRACTS)
 # A frame rate so small that one frame lasts longer than a float can say (1000 / fps = inf).
-@example(total=1, source_fps=5e-324, duration=0.0, contract=VideoSamplingContract(style="uniform", num_frames=1))
+@example(
+    total=1, source_fps=5e-324, duration=0.0, contract=VideoSamplingContract(style="uniform", num_frames=1)
+)
 # duration * fps overflows to inf before the floor.
 @example(total=2, source_fps=1.0, duration=1e300, contract=VideoSamplingContract(style="uniform", fps=1e300))
 # total / duration overflows to an infinite rate, then 0 * inf = nan.
 @example(
-    total=2, source_fps=1.0, duration=5e-324, contract=VideoSamplingContract(style="nemotron_rounded", num_frames=2)
+    total=2,
+    source_fps=1.0,
+    duration=5e-324,
+    contract=VideoSamplingContract(style="nemotron_rounded", num_frames=2),
 )
 # total / source_fps overflows before the clamp to [min_frames, max_frames].
 @example(total=2, source_fps=5e-324, duration=1.0, contract=VideoSamplingContract(style="qwen3_vl"))
 # 1000 / fps is finite, but a frame index times it overflows (and qwen3's timestamps are infinite).
-@example(total=3, source_fps=6.447186387917766e-306, duration=0.0, contract=VideoSamplingContract(style="uniform"))
+@example(
+    total=3, source_fps=6.447186387917766e-306, duration=0.0, contract=VideoSamplingContract(style="uniform")
+)
 @example(
     total=581,
     source_fps=6.447186387917766e-306,
     duration=0.0,
-    contract=VideoSamplingContract(style="qwen3_vl", fps=1.0, min_frames=1, max_frames=2, temporal_patch_size=1),
+    contract=VideoSamplingContract(
+        style="qwen3_vl", fps=1.0, min_frames=1, max_frames=2, temporal_patch_size=1
+    ),
 )
 def test_any_video_gives_a_usable_sample_or_a_sampling_error(
     total: int, source_fps: float, duration: float, contract: VideoSamplingContract
@@ -153,12 +164,16 @@ def test_any_video_gives_a_usable_sample_or_a_sampling_error(
 @FUZZ
 @given(total=TOTAL, source_fps=ANY_RATE, duration=ANY_DURATION)
 @example(total=1, source_fps=5e-324, duration=1.0)
-def test_invalid_rates_and_durations_are_named_in_the_error(total: int, source_fps: float, duration: float) -> None:
+def test_invalid_rates_and_durations_are_named_in_the_error(
+    total: int, source_fps: float, duration: float
+) -> None:
     bad_rate = -source_fps
     with pytest.raises(VideoSamplingError, match="frame rate"):
         sample_frames(total, bad_rate, duration, VideoSamplingContract(style="uniform", num_frames=4))
     with pytest.raises(VideoSamplingError, match="duration"):
-        sample_frames(total, source_fps, -duration - 1.0, VideoSamplingContract(style="uniform", num_frames=4))
+        sample_frames(
+            total, source_fps, -duration - 1.0, VideoSamplingContract(style="uniform", num_frames=4)
+        )
     with pytest.raises(VideoSamplingError, match="at least one"):
         sample_frames(0, source_fps, duration, VideoSamplingContract(style="qwen3_vl"))
 
@@ -173,7 +188,9 @@ def test_invalid_rates_and_durations_are_named_in_the_error(total: int, source_f
     num_frames=st.none() | st.integers(1, 1024),
     fps=st.none() | st.floats(0.01, 120.0),
 )
-def test_uniform_matches_exact_linspace(total: int, source_fps: float, num_frames: int | None, fps: float | None) -> None:
+def test_uniform_matches_exact_linspace(
+    total: int, source_fps: float, num_frames: int | None, fps: float | None
+) -> None:
     duration = total / source_fps
     picked = uniform_indices(total, duration, num_frames=num_frames, fps=fps)
     count = min(total, num_frames or total)
@@ -189,8 +206,12 @@ def test_uniform_matches_exact_linspace(total: int, source_fps: float, num_frame
 
 @FUZZ
 @given(total=TOTAL, source_fps=PLAUSIBLE_RATE, num_frames=st.integers(1, 1024), tps=st.integers(1, 4))
-def test_nemotron_rounded_matches_exact_rounding(total: int, source_fps: float, num_frames: int, tps: int) -> None:
-    picked = nemotron_rounded_indices(total, total / source_fps, num_frames=num_frames, temporal_patch_size=tps)
+def test_nemotron_rounded_matches_exact_rounding(
+    total: int, source_fps: float, num_frames: int, tps: int
+) -> None:
+    picked = nemotron_rounded_indices(
+        total, total / source_fps, num_frames=num_frames, temporal_patch_size=tps
+    )
     count = min(num_frames, total)
     if count % tps:
         count = max(tps, count - count % tps)

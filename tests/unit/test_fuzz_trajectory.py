@@ -30,16 +30,44 @@ TEXT_TOKENS = st.integers(10, 60)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
     max_leaves=20,
 )
 KEYS = st.sampled_from(
-    ["type", "role", "content", "output", "prompt_token_ids", "generation_token_ids", "generation_log_probs",
-     "video_url", "image_url", "path", "text", "call_id"]
+    [
+        "type",
+        "role",
+        "content",
+        "output",
+        "prompt_token_ids",
+        "generation_token_ids",
+        "generation_log_probs",
+        "video_url",
+        "image_url",
+        "path",
+        "text",
+        "call_id",
+    ]
 )
 VALUES = JSON | st.sampled_from(
-    ["message", "user", "assistant", "input_video", "input_image", "input_text", "function_call_output",
-     "input_audio", [], {}, [1, 2], [-1], [float("nan")], [True]]
+    [
+        "message",
+        "user",
+        "assistant",
+        "input_video",
+        "input_image",
+        "input_text",
+        "function_call_output",
+        "input_audio",
+        [],
+        {},
+        [1, 2],
+        [-1],
+        [float("nan")],
+        [True],
+    ]
 )
 
 
@@ -137,7 +165,9 @@ def _kinds(parts: tuple[MediaPart, ...]) -> list[int]:
 
 @FUZZ
 @given(trajectories())
-def test_turn_media_match_the_placeholders_of_their_prompts(case: tuple[list[Any], list[Any], Expected]) -> None:
+def test_turn_media_match_the_placeholders_of_their_prompts(
+    case: tuple[list[Any], list[Any], Expected],
+) -> None:
     prompt, output, expected = case
     if not expected.calls:
         with pytest.raises(TrajectoryError) as caught:
@@ -151,8 +181,13 @@ def test_turn_media_match_the_placeholders_of_their_prompts(case: tuple[list[Any
         assert placeholders == _kinds(turn.new_prompt_media), turn
         assert not set(turn.generation_ids) & {VIDEO, IMAGE}
     # Every media part of the rollout is introduced exactly once, in order.
-    all_parts = [p for item in [*prompt, *output] if isinstance(item.get("content"), list)
-                 for p in item["content"] if p["type"] in ("input_video", "input_image")]
+    all_parts = [
+        p
+        for item in [*prompt, *output]
+        if isinstance(item.get("content"), list)
+        for p in item["content"]
+        if p["type"] in ("input_video", "input_image")
+    ]
     introduced = [part.part for part in trajectory.media]
     assert introduced == all_parts[: len(introduced)]
     # Round trip: each sequence's tokens are its last call's prompt and generation, exactly.
@@ -199,7 +234,9 @@ def _mutate(value: Any, path: list[Any], junk: Any) -> Any:
 
 def _paths(value: Any, prefix: list[Any]) -> list[list[Any]]:
     paths: list[list[Any]] = []
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    children = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
     for key, child in children:
         paths.append([*prefix, key])
         paths += _paths(child, [*prefix, key])
@@ -219,21 +256,29 @@ def _parse_or_error(record: Any) -> None:
 @FUZZ
 @given(case=trajectories(), data=st.data())
 # Unhashable part types and roles (lists, objects) must not reach a set lookup.
-@example(
-    case=([{"role": "user", "content": [{"type": ["input_video"]}]}], [], Expected()), data=None
-).via("unhashable part type")
+@example(case=([{"role": "user", "content": [{"type": ["input_video"]}]}], [], Expected()), data=None).via(
+    "unhashable part type"
+)
 @example(case=([{"role": {"user": 1}, "content": []}], [], Expected()), data=None).via("unhashable role")
-@example(
-    case=([], [{"type": "function_call_output", "output": [{"type": {}}]}], Expected()), data=None
-).via("unhashable tool output part type")
+@example(case=([], [{"type": "function_call_output", "output": [{"type": {}}]}], Expected()), data=None).via(
+    "unhashable tool output part type"
+)
 # A logprob integer too large for a float.
 @example(
-    case=([], [{"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [10**400]}], Expected()),
+    case=(
+        [],
+        [{"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [10**400]}],
+        Expected(),
+    ),
     data=None,
 ).via("huge integer logprob")
 # A URL that urllib cannot split.
 @example(
-    case=([{"role": "user", "content": [{"type": "input_video", "video_url": "http://[::1"}]}], [], Expected()),
+    case=(
+        [{"role": "user", "content": [{"type": "input_video", "video_url": "http://[::1"}]}],
+        [],
+        Expected(),
+    ),
     data=None,
 ).via("unsplittable URL")
 def test_damaged_trajectories_give_a_trajectory_error_or_valid_turns(
@@ -252,7 +297,9 @@ def test_damaged_trajectories_give_a_trajectory_error_or_valid_turns(
             if isinstance(item, dict):
                 item[data.draw(KEYS, label="key")] = data.draw(VALUES, label="value")
     _parse_or_error(record)
-    _parse_or_error({"responses_create_params": {"input": prompt}, "response": {"output": [*output, *prompt]}})
+    _parse_or_error(
+        {"responses_create_params": {"input": prompt}, "response": {"output": [*output, *prompt]}}
+    )
 
 
 @FUZZ

@@ -475,7 +475,9 @@ def test_config_is_frozen_validated_and_rejects_unknown_fields() -> None:
 @PROPERTY
 @given(
     seed=st.integers(0, 2**31),
-    mode=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]),
+    mode=st.sampled_from(
+        ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    ),
 )
 def test_zero_advantage_gives_zero_gradient(seed: int, mode: str) -> None:
     base, old, behaviour, _, mask, _ = _random_batch(seed, batch=3, length=5)

@@ -111,8 +111,13 @@ def test_a_segment_question_needs_the_named_segment_s_clip(tmp_path: Path) -> No
     texts = [row["responses_create_params"]["input"][0]["content"][0]["text"] for row in rows]
     # The named segment is the prompt's only number, and the text after it is the same in every
     # row: it sits a fixed distance before the model's call.
-    assert [[c for c in text if c.isdigit()] for text in texts] == [[str(row["named_segment"])] for row in rows]
-    assert len({text.split(f"segment {row['named_segment']}")[1] for text, row in zip(texts, rows)}) == 1
+    assert [[c for c in text if c.isdigit()] for text in texts] == [
+        [str(row["named_segment"])] for row in rows
+    ]
+    after_the_number = {
+        text.split(f"segment {row['named_segment']}")[1] for text, row in zip(texts, rows, strict=True)
+    }
+    assert len(after_the_number) == 1
     for row in rows:
         params = row["responses_create_params"]
         assert params["tool_choice"] == "auto" and params["tools"][0]["name"] == "watch_segment"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from rl_bridge.paths import project_root
 from rl_bridge.recipe import Recipe, apply_overrides, load_recipe
 from rl_bridge.tasks import TaskData
-from rl_bridge.paths import project_root
 
 pytestmark = pytest.mark.unit
 

@@ -215,7 +215,9 @@ def test_a_generated_media_placeholder_token_masks_the_sample(
     assert masked.mask_reason == "generated_media_token"
     assert masked.to_policy_samples(advantage=1.0) == []
     assert masked.mask_detail is not None and masked.mask_detail.startswith("turn 1 (output[3]) generated")
-    assert f"token {processor.video_token_id} (1 time(s), first at generated position 1)" in masked.mask_detail
+    assert (
+        f"token {processor.video_token_id} (1 time(s), first at generated position 1)" in masked.mask_detail
+    )
     assert builder.metrics.as_dict()["media/masked/generated_media_token"] == 1
 
 
@@ -355,7 +357,10 @@ def test_a_bounded_store_drops_the_least_recently_used_and_reprocesses_on_return
     assert store.get(part(media["prompt"])) is first  # still held
     again = store.get(part(media["left"]))  # dropped: processed again, same tensors
     assert store.stats().processed == 4 and store.stats().unique_bytes <= bound
-    assert torch.equal(again.tensors["pixel_values_videos"], unbounded.get(part(media["left"])).tensors["pixel_values_videos"])
+    assert torch.equal(
+        again.tensors["pixel_values_videos"],
+        unbounded.get(part(media["left"])).tensors["pixel_values_videos"],
+    )
     # One entry larger than the bound stays (the newest always does) and evicts the rest.
     tiny = MediaStore(processor, MediaSettings(media_root=root), decode_cache=DecodeCache(), max_bytes=1)
     tiny.get(part(media["left"]))

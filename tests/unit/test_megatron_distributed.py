@@ -56,7 +56,9 @@ def test_only_a_single_process_may_go_without_a_rendezvous() -> None:
 
 def test_tensor_parallel_size_must_divide_the_world_before_anything_starts() -> None:
     environment = RankEnvironment.from_environ({**TORCHRUN, "WORLD_SIZE": "6", "RANK": "0"})
-    with pytest.raises(ValueError, match="tensor_parallel=4 x pipeline_parallel=1 does not divide the world size 6"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel=4 x pipeline_parallel=1 does not divide the world size 6"
+    ):
         with model_parallel_group(tensor_parallel=4, environment=environment):
             pass
     with pytest.raises(ValueError, match="backend='mpi'"):

@@ -191,7 +191,9 @@ def test_a_groups_rollout_counts_survive_the_checkpoint(tmp_path: Path) -> None:
     buffer = ReplayBuffer(DataOrder(2, seed=0, epochs=1), capacity=4, max_age=1)
     claim = buffer.claim(0)
     assert claim is not None
-    stats = RolloutStats(rows=3, outcomes=Counter(ok=2, content_failed=1), retries=1, wall_s=2.5, started_at=7.0)
+    stats = RolloutStats(
+        rows=3, outcomes=Counter(ok=2, content_failed=1), retries=1, wall_s=2.5, started_at=7.0
+    )
     buffer.put(claim, _results(), stats)
     _, groups = buffer.snapshot()
     write_groups(tmp_path / "buffer.jsonl", groups)

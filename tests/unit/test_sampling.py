@@ -290,12 +290,22 @@ def test_presentation_timing_makes_the_processors_arithmetic_give_the_presentati
     contract = VideoSamplingContract(style="uniform", num_frames=7)
     nominal = sample_frames(14, 14 / 3.75, 3.75, contract)
     timed = presentation_timed(nominal, played)
-    assert timed.source_fps == PRESENTATION_INDEX_FPS and timed.indices == (0, 150, 520, 1700, 3000, 3500, 3900)
+    assert timed.source_fps == PRESENTATION_INDEX_FPS and timed.indices == (
+        0,
+        150,
+        520,
+        1700,
+        3000,
+        3500,
+        3900,
+    )
     # Nemotron's arithmetic (whole-millisecond frame duration) is exact on the millisecond clock.
     assert nemotron_prompt_timestamps(timed.indices, timed.source_fps) == tuple(played)
     assert timed.prompt_timestamps_s == tuple(played) and timed.timestamps_s == tuple(played)
     assert timed.total_frames == 3901 and timed.duration_s == nominal.duration_s
-    qwen3 = presentation_timed(sample_frames(14, 14 / 3.75, 3.75, VideoSamplingContract(style="qwen3_vl")), played)
+    qwen3 = presentation_timed(
+        sample_frames(14, 14 / 3.75, 3.75, VideoSamplingContract(style="qwen3_vl")), played
+    )
     assert qwen3.prompt_timestamps_s == pytest.approx([0.075, 1.11, 3.25, 3.9])  # mean of each 2-frame patch
     with pytest.raises(VideoSamplingError, match="2 times for 7 sampled frames"):
         presentation_timed(nominal, played[:2])

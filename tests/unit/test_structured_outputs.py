@@ -1,4 +1,5 @@
-"""The trainer's replay of vLLM's structured outputs: grammar masks, their packing, and logprobs under them."""
+"""The trainer's replay of vLLM's structured outputs: grammar masks, their packing, and logprobs
+under them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_bridge.tasks import hermes_tool_call
 from rl_bridge.megatron.batch import MediaTokens, PolicySample, collate
 from rl_bridge.megatron.logprobs import token_logprobs
 from rl_bridge.structured_outputs import (
@@ -21,6 +21,7 @@ from rl_bridge.structured_outputs import (
     choice_request_body,
     unpack_bitmask,
 )
+from rl_bridge.tasks import hermes_tool_call
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +121,10 @@ def test_canonical_action_tokens_leave_one_spelling_per_action_under_the_grammar
     grammar = GrammarMasks(tokenizer_dir, CHOICES)
     call = tokenizer.encode(CHOICES[4], add_special_tokens=False)
     assert len(call) <= 21  # the tokenizer's merges cover the call's JSON pieces
-    allowed = [row & support for row in _allowed(grammar.bitmasks([*call, tokenizer.eos_token_id]), grammar.vocab_size)]
+    allowed = [
+        row & support
+        for row in _allowed(grammar.bitmasks([*call, tokenizer.eos_token_id]), grammar.vocab_size)
+    ]
     decisions = [i for i, row in enumerate(allowed) if len(row) > 1]
     letters = {tokenizer.convert_tokens_to_ids(letter) for letter in "ABC"}
     assert allowed[0] == letters | {tokenizer.convert_tokens_to_ids("<tool_call>")}
@@ -135,7 +139,9 @@ def test_canonical_action_tokens_leave_one_spelling_per_action_under_the_grammar
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": "watch_segment", "arguments": {"segment": 2}}}],
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "watch_segment", "arguments": {"segment": 2}}}
+                ],
             },
         ],
         tokenize=True,
@@ -170,7 +176,12 @@ def test_unpacking_inverts_xgrammar_s_packing(seed: int, rows: int, vocab: int) 
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), rows=st.integers(1, 7), temperature=st.floats(0.2, 2.0), chunk=st.integers(1, 64))
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 7),
+    temperature=st.floats(0.2, 2.0),
+    chunk=st.integers(1, 64),
+)
 def test_logprobs_under_per_row_masks_equal_the_masked_softmax(
     seed: int, rows: int, temperature: float, chunk: int
 ) -> None:
@@ -224,7 +235,9 @@ def test_collate_lays_the_masks_out_in_target_order_and_fills_samples_without() 
     first = torch.tensor([[5], [6]], dtype=torch.int32)
     third = torch.tensor([[7]], dtype=torch.int32)
     batch = collate(
-        [sample(4, [2, 3], first), sample(5, [4], None), sample(3, [1], third)], pad_token_id=0, media_tokens=tokens
+        [sample(4, [2, 3], first), sample(5, [4], None), sample(3, [1], third)],
+        pad_token_id=0,
+        media_tokens=tokens,
     )
     assert batch.allowed_tokens is not None
     assert batch.allowed_tokens.flatten().tolist() == [5, 6, -1, 7]

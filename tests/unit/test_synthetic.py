@@ -110,8 +110,12 @@ def test_indexed_frames_fill_colour_survives_the_barcode() -> None:
 
 def test_classify_colour_refuses_non_palette_regions() -> None:
     assert classify_colour(np.array([240, 20, 10], dtype=np.uint8)) == "red"
-    assert classify_colour(np.array([240, 20, 10], dtype=np.uint8), candidates=["blue", "yellow"],
-                           max_distance=None) == "yellow"
+    assert (
+        classify_colour(
+            np.array([240, 20, 10], dtype=np.uint8), candidates=["blue", "yellow"], max_distance=None
+        )
+        == "yellow"
+    )
     with pytest.raises(ValueError, match="not flat content"):
         classify_colour(np.full((4, 4, 3), 128, dtype=np.uint8))
     with pytest.raises(ValueError, match="unknown colour"):
@@ -201,8 +205,9 @@ def test_fractional_fps(tmp_path: Path, fps: float | Fraction, rate: Fraction) -
 @pytest.mark.parametrize(("suffix", "tolerance"), [(".mp4", 1e-6), (".mkv", 5e-4)])
 def test_variable_frame_rate_timestamps(tmp_path: Path, suffix: str, tolerance: float) -> None:
     pts = [0.0, 0.1, 0.3, 0.333, 0.9, 0.95, 2.0]
-    written = write_video(tmp_path / f"vfr{suffix}", indexed_frames(7, width=64, height=64), fps=8,
-                          pts_seconds=pts)
+    written = write_video(
+        tmp_path / f"vfr{suffix}", indexed_frames(7, width=64, height=64), fps=8, pts_seconds=pts
+    )
     assert written.pts_seconds == pytest.approx(pts)
     assert written.duration_seconds == pytest.approx(2.125)
     decoded = decode(written.path)
@@ -214,8 +219,9 @@ def test_variable_frame_rate_timestamps(tmp_path: Path, suffix: str, tolerance: 
 @pytest.mark.parametrize("gop", [1, 3, 5])
 def test_keyframe_interval_matches_gop(tmp_path: Path, codec: str, gop: int) -> None:
     # Hard colour cuts on every frame would make encoders add scene-cut keyframes without the fix.
-    written = write_video(tmp_path / "gop.mp4", indexed_frames(12, width=64, height=64), fps=8,
-                          codec=codec, gop=gop)
+    written = write_video(
+        tmp_path / "gop.mp4", indexed_frames(12, width=64, height=64), fps=8, codec=codec, gop=gop
+    )
     expected = list(range(0, 12, gop))
     assert list(written.keyframe_indices) == expected
     with av.open(str(written.path)) as container:
@@ -228,8 +234,9 @@ def test_keyframe_interval_matches_gop(tmp_path: Path, codec: str, gop: int) -> 
 
 @pytest.mark.parametrize("rotation", [90, 180, 270])
 def test_rotation_metadata_is_readable(tmp_path: Path, rotation: int) -> None:
-    written = write_video(tmp_path / "rot.mp4", indexed_frames(3, width=96, height=64), fps=8,
-                          rotation_degrees=rotation)
+    written = write_video(
+        tmp_path / "rot.mp4", indexed_frames(3, width=96, height=64), fps=8, rotation_degrees=rotation
+    )
     decoded = decode(written.path)
     assert decoded.rotation % 360 == rotation  # FFmpeg reports angles in (-180, 180]
     # Pixels are stored unrotated; the display matrix only tells players how to show them.
@@ -250,10 +257,12 @@ def test_no_rotation_writes_no_display_matrix(sample_video: Path) -> None:
         ("mpeg4", "exact", (113, 111), "yuv420p"),
     ],
 )
-def test_odd_sizes(tmp_path: Path, codec: str, odd_size: str, expected_size: tuple[int, int],
-                   pix_fmt: str) -> None:
-    written = write_video(tmp_path / "odd.mp4", indexed_frames(4, width=113, height=111), fps=8,
-                          codec=codec, odd_size=odd_size)  # type: ignore[arg-type]
+def test_odd_sizes(
+    tmp_path: Path, codec: str, odd_size: str, expected_size: tuple[int, int], pix_fmt: str
+) -> None:
+    written = write_video(
+        tmp_path / "odd.mp4", indexed_frames(4, width=113, height=111), fps=8, codec=codec, odd_size=odd_size
+    )  # type: ignore[arg-type]
     assert ((written.width, written.height), written.pix_fmt) == (expected_size, pix_fmt)
     decoded = decode(written.path)
     assert decoded.frames[0].shape == (expected_size[1], expected_size[0], 3)

@@ -82,8 +82,14 @@ def test_entropy_equals_the_naive_entropy_of_the_sampling_distribution(
     upstream = torch.randn(rows, generator=generator)
     fast_in = logits.clone().requires_grad_()
     values, entropy = token_logprobs(
-        fast_in, targets, vocab_size=vocab, temperature=temperature, support=support, allowed=allowed,
-        max_chunk_elements=chunk, return_entropy=True,
+        fast_in,
+        targets,
+        vocab_size=vocab,
+        temperature=temperature,
+        support=support,
+        allowed=allowed,
+        max_chunk_elements=chunk,
+        return_entropy=True,
     )
     (entropy * upstream).sum().backward()
     naive_in = logits.clone().requires_grad_()
@@ -95,7 +101,9 @@ def test_entropy_equals_the_naive_entropy_of_the_sampling_distribution(
     log_p = torch.log_softmax(torch.where(keep, naive_in, -1e4) / temperature, dim=-1)
     naive = -(log_p.exp() * log_p).sum(dim=-1)
     (naive * upstream).sum().backward()
-    torch.testing.assert_close(values, log_p.gather(-1, targets[:, None])[:, 0].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        values, log_p.gather(-1, targets[:, None])[:, 0].detach(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(entropy, naive, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-5, atol=1e-5)
     single = keep.sum(dim=-1) == 1

@@ -12,7 +12,9 @@ from rl_bridge.megatron.vision_attention import segment_attention
 pytestmark = pytest.mark.unit
 
 
-def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
+def _per_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
+) -> torch.Tensor:
     outs = []
     for start, end in zip(bounds, bounds[1:], strict=False):
         if end > start:
@@ -63,7 +65,9 @@ def test_packed_sdpa_core_attention_attends_within_each_frame() -> None:
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0)
     bounds = [0, 12, 24, 30]
     cu = torch.tensor(bounds, dtype=torch.int32)
-    packed = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_kv=cu, qkv_format="thd", max_seqlen_q=12, max_seqlen_kv=12)
+    packed = PackedSeqParams(
+        cu_seqlens_q=cu, cu_seqlens_kv=cu, qkv_format="thd", max_seqlen_q=12, max_seqlen_kv=12
+    )
     q, k, v = (torch.randn(30, 2, 8) for _ in range(3))
     with cpu_execution(), single_process_group():
         vision = SDPADotProductAttention(config, 1, AttnMaskType.no_mask, "self")

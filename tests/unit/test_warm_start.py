@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rl_bridge.tasks import action_choices, demonstration, hermes_tool_call
 from rl_bridge.loop.warm_start import (
     SupervisedLoss,
     demonstration_samples,
@@ -20,6 +19,7 @@ from rl_bridge.loop.warm_start import (
 from rl_bridge.megatron.batch import MediaTokens, collate
 from rl_bridge.megatron.policy_loss import StepCounts
 from rl_bridge.recipe import load_recipe
+from rl_bridge.tasks import action_choices, demonstration, hermes_tool_call
 from video_grpo_demo.rows import video_segment_question_rows
 from video_grpo_demo.synthetic.tasks import ClipConfig
 
@@ -41,7 +41,11 @@ def _batch(lengths: list[int], targets: list[int], weights: list[float]):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(3, 9), st.integers(1, 2), st.sampled_from([0.0, 1.0, 0.5])), min_size=2, max_size=6),
+    st.lists(
+        st.tuples(st.integers(3, 9), st.integers(1, 2), st.sampled_from([0.0, 1.0, 0.5])),
+        min_size=2,
+        max_size=6,
+    ),
     st.integers(1, 3),
 )
 def test_supervised_loss_is_token_mean_nll_whatever_the_split(shape, parts) -> None:
@@ -74,7 +78,9 @@ def test_supervised_loss_is_token_mean_nll_whatever_the_split(shape, parts) -> N
         part, metrics = loss(padded, batch.target_mask, batch, counts)
         total += float(part)
         trained = any(weights[i] > 0 for i in chunk)
-        assert (0.0 < float(metrics["target_prob"]) <= 1.0) if trained else float(metrics["target_prob"]) == 0.0
+        assert (
+            (0.0 < float(metrics["target_prob"]) <= 1.0) if trained else float(metrics["target_prob"]) == 0.0
+        )
     assert total == pytest.approx(expected, rel=1e-9)
 
 
@@ -82,7 +88,10 @@ def test_supervised_loss_gradient_raises_the_targets() -> None:
     samples = _batch([5, 6], [2, 1], [1.0, 1.0])
     batch = collate(samples, pad_token_id=0, media_tokens=NO_MEDIA)
     logits = torch.zeros(*batch.input_ids.shape, 7, requires_grad=True)
-    logprobs = torch.log_softmax(logits, -1).gather(-1, batch.input_ids.unsqueeze(-1)).squeeze(-1) * batch.target_mask
+    logprobs = (
+        torch.log_softmax(logits, -1).gather(-1, batch.input_ids.unsqueeze(-1)).squeeze(-1)
+        * batch.target_mask
+    )
     loss = SupervisedLoss()
     counts = StepCounts(num_target_tokens=3, num_target_sequences=2, normalizer=loss.denominator(batch))
     part, _ = loss(logprobs, batch.target_mask, batch, counts)
@@ -99,7 +108,9 @@ def test_supervised_loss_gradient_raises_the_targets() -> None:
 def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("segments")
     config = ClipConfig(width=56, height=56, num_frames=8, fps=4.0)
-    return video_segment_question_rows(root, 6, seed=3, num_segments=3, num_options=6, config=config, subdir="t")
+    return video_segment_question_rows(
+        root, 6, seed=3, num_segments=3, num_options=6, config=config, subdir="t"
+    )
 
 
 def test_demonstration_is_the_named_segments_call_as_the_grammar_writes_it(rows: list[dict]) -> None:
@@ -112,7 +123,9 @@ def test_demonstration_is_the_named_segments_call_as_the_grammar_writes_it(rows:
         demonstration(task, {"task_id": "mcqa-1"})
 
 
-def test_demonstration_samples_train_the_action_and_end_token_only(rows: list[dict], tiny_qwen25vl: Path) -> None:
+def test_demonstration_samples_train_the_action_and_end_token_only(
+    rows: list[dict], tiny_qwen25vl: Path
+) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen25vl)
@@ -134,7 +147,12 @@ def test_a_prompt_with_video_has_no_demonstration(rows: list[dict]) -> None:
     params = row["responses_create_params"]
     row["responses_create_params"] = {
         **params,
-        "input": [{"role": "user", "content": [{"type": "input_video", "video_url": "t/x.mp4"}, *params["input"][0]["content"]]}],
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_video", "video_url": "t/x.mp4"}, *params["input"][0]["content"]],
+            }
+        ],
     }
     with pytest.raises(ValueError, match="text only.*input_video"):
         first_turn_messages(row)
@@ -170,7 +188,10 @@ def test_demonstrations_carry_the_first_turn_grammar_s_masks(rows: list[dict], t
     actions = [demonstration(task, row) for row in rows]
     for sample in demonstration_samples(tokenizer, rows, actions, grammar):
         targets = sample.input_ids[sample.target_mask]
-        assert sample.allowed_tokens is not None and sample.allowed_tokens.shape == (len(targets), grammar.words)
+        assert sample.allowed_tokens is not None and sample.allowed_tokens.shape == (
+            len(targets),
+            grammar.words,
+        )
         allowed = unpack_bitmask(sample.allowed_tokens, len(tokenizer))
         assert all(bool(allowed[i, token]) for i, token in enumerate(targets.tolist()))
         # The segment number is a choice among the three calls; the tokens before it are forced.

@@ -36,7 +36,10 @@ pytestmark = pytest.mark.unit
 
 INSTALLED = compat.installed_version()
 
-WEIGHTS = [("model.embed_tokens.weight", torch.ones(4, 2)), ("model.norm.weight", torch.zeros(2, dtype=torch.bfloat16))]
+WEIGHTS = [
+    ("model.embed_tokens.weight", torch.ones(4, 2)),
+    ("model.norm.weight", torch.zeros(2, dtype=torch.bfloat16)),
+]
 
 
 class Client:
@@ -66,7 +69,9 @@ def release(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     installed = compat.installed_version()
     base_args = compat.trainer_engine_config_args
     monkeypatch.setattr(compat, "installed_version", lambda: version)
-    monkeypatch.setattr(compat, "trainer_engine_config_args", lambda backend, version=None: base_args(backend, installed))
+    monkeypatch.setattr(
+        compat, "trainer_engine_config_args", lambda backend, version=None: base_args(backend, installed)
+    )
     return version
 
 
@@ -127,7 +132,9 @@ def test_a_non_sender_ipc_rank_packs_its_buffer_and_calls_nothing(
     monkeypatch.setattr(legacy_engines, "packed_ipc_chunks", producer)
     client = Client()
     engine = IPCLegacyTrainerWeightTransferEngine.trainer_init(
-        IPCLegacyTrainerInitInfo(rank=1), client=client, source=PolicyWeightSource(lambda: iter(WEIGHTS))  # type: ignore[arg-type]
+        IPCLegacyTrainerInitInfo(rank=1),
+        client=client,
+        source=PolicyWeightSource(lambda: iter(WEIGHTS)),  # type: ignore[arg-type]
     )
     engine.send_weights()
     assert client.calls == [] and packed == [name for name, _ in WEIGHTS]
@@ -149,7 +156,9 @@ def test_the_ipc_packer_packs_in_order_and_exports_the_buffer_once_per_chunk() -
         return None, ("export", len(exported))
 
     chunks = []
-    packer = packed_ipc_chunks(tensors.items(), gpu_uuid="GPU-0", buffer_bytes=64, device="cpu", export=export)
+    packer = packed_ipc_chunks(
+        tensors.items(), gpu_uuid="GPU-0", buffer_bytes=64, device="cpu", export=export
+    )
     for chunk in packer:
         assert chunk.ipc_handle == {"GPU-0": ("export", len(exported))}  # this chunk's own export
         received = unpack_tensor(  # what vLLM's worker reads from it
@@ -186,9 +195,18 @@ def test_the_legacy_nccl_engine_announces_every_tensor_while_it_broadcasts(
 
     opened: list[dict[str, Any]] = []
     broadcast: list[str] = []
-    monkeypatch.setattr(nccl_common, "trainer_init", lambda info: opened.append(info) or "group", raising=False)
+    monkeypatch.setattr(
+        nccl_common, "trainer_init", lambda info: opened.append(info) or "group", raising=False
+    )
 
-    def producer(iterator: Iterator[tuple[str, torch.Tensor]], group: Any, src: int, post_iter_func: Any, buffer_size_bytes: int, num_buffers: int) -> None:  # noqa: E501
+    def producer(
+        iterator: Iterator[tuple[str, torch.Tensor]],
+        group: Any,
+        src: int,
+        post_iter_func: Any,
+        buffer_size_bytes: int,
+        num_buffers: int,
+    ) -> None:  # noqa: E501
         assert (group, src, buffer_size_bytes, num_buffers) == ("group", 0, 1 << 20, 2)
         broadcast.extend(name for name, _ in iterator)
 
@@ -198,7 +216,9 @@ def test_the_legacy_nccl_engine_announces_every_tensor_while_it_broadcasts(
         master_address="10.0.0.1", master_port=29500, world_size=3, packed_buffer_size_bytes=1 << 20, rank=0
     )
     engine = NCCLLegacyTrainerWeightTransferEngine.trainer_init(
-        info, client=client, source=PolicyWeightSource(lambda: iter(WEIGHTS))  # type: ignore[arg-type]
+        info,
+        client=client,
+        source=PolicyWeightSource(lambda: iter(WEIGHTS)),  # type: ignore[arg-type]
     )
     assert opened == [{"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}]
     engine.send_weights()
@@ -225,7 +245,9 @@ def test_the_legacy_nccl_engine_refuses_a_source_that_disagrees_with_its_metadat
     passes = iter([WEIGHTS, list(reversed(WEIGHTS))])  # the second export comes in another order
     info = NCCLLegacyTrainerInitInfo(master_address="h", master_port=1, world_size=2, rank=0)
     engine = NCCLLegacyTrainerWeightTransferEngine.trainer_init(
-        info, client=Client(), source=PolicyWeightSource(lambda: iter(next(passes)))  # type: ignore[arg-type]
+        info,
+        client=Client(),
+        source=PolicyWeightSource(lambda: iter(next(passes))),  # type: ignore[arg-type]
     )
     with pytest.raises(ValueError, match="disagrees with its metadata at tensor 0"):
         engine.send_weights()
@@ -245,31 +267,52 @@ def engine_args() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("release", sorted({"0.26.0", INSTALLED}))  # stock init infos: the installed release's
+@pytest.mark.parametrize(
+    "release", sorted({"0.26.0", INSTALLED})
+)  # stock init infos: the installed release's
 def test_weight_sync_picks_vllms_trainer_engine_where_the_release_has_one(
     release: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(compat, "installed_version", lambda: release)
     made: list[Any] = []
     monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: made.append(info) or "stock")
-    monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ipc-legacy"))
-    monkeypatch.setattr(NCCLLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "nccl-legacy"))
-    engines = {backend: sync._trainer_engine(backend, **engine_args()) for backend in ("video_grpo_gloo", "ipc", "nccl")}
+    monkeypatch.setattr(
+        IPCLegacyTrainerWeightTransferEngine,
+        "trainer_init",
+        classmethod(lambda cls, info, **kw: "ipc-legacy"),
+    )
+    monkeypatch.setattr(
+        NCCLLegacyTrainerWeightTransferEngine,
+        "trainer_init",
+        classmethod(lambda cls, info, **kw: "nccl-legacy"),
+    )
+    engines = {
+        backend: sync._trainer_engine(backend, **engine_args())
+        for backend in ("video_grpo_gloo", "ipc", "nccl")
+    }
     if release == "0.26.0":
         assert engines == {"video_grpo_gloo": "stock", "ipc": "ipc-legacy", "nccl": "nccl-legacy"}
     else:
         assert engines == {"video_grpo_gloo": "stock", "ipc": "stock", "nccl": "stock"}
-        assert [type(info).__name__ for info in made] == ["GlooTrainerInitInfo", "IPCTrainerInitInfo", "NCCLTrainerInitInfo"]
+        assert [type(info).__name__ for info in made] == [
+            "GlooTrainerInitInfo",
+            "IPCTrainerInitInfo",
+            "NCCLTrainerInitInfo",
+        ]
 
 
-def test_ipc_keeps_the_per_chunk_exporter_where_the_worker_maps_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ipc_keeps_the_per_chunk_exporter_where_the_worker_maps_per_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A release with vLLM's trainer engine but a worker without ``PackedBufferImporter`` (vLLM PR
     51259) would strand vLLM's once-exported buffer every refit: this package's engine is used."""
     from vllm.distributed.weight_transfer import packed_tensor
 
     monkeypatch.setattr(compat, "has_stock_trainer_engine", lambda backend, version=None: True)
     monkeypatch.setattr(compat, "trainer_factory_init", lambda info, **kwargs: "stock")
-    monkeypatch.setattr(IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ours"))
+    monkeypatch.setattr(
+        IPCLegacyTrainerWeightTransferEngine, "trainer_init", classmethod(lambda cls, info, **kw: "ours")
+    )
     if hasattr(packed_tensor, "PackedBufferImporter"):
         assert sync._trainer_engine("ipc", **engine_args()) == "stock"
         monkeypatch.delattr(packed_tensor, "PackedBufferImporter")
@@ -310,7 +353,9 @@ class VersionlessServer:
             return {"version": "0.26.0"}
         if path == "/metrics":
             return f"# HELP process_start_time_seconds ...\nprocess_start_time_seconds {self.started}\n"
-        assert path not in ("/update_weight_version", "/weight_info", "/shutdown_weight_transfer_engine"), path
+        assert path not in ("/update_weight_version", "/weight_info", "/shutdown_weight_transfer_engine"), (
+            path
+        )
         self.posts.append(path.split("?")[0])
         return {}
 
@@ -330,7 +375,14 @@ def test_against_a_server_without_weight_versions_the_client_keeps_them(
     client.finish_weight_update("step-3")
     assert client.weight_version() == "step-3"
     client.shutdown_weight_transfer_engine()  # no such route: nothing to do
-    assert server.posts == ["/pause", "/reset_prefix_cache", "/reset_encoder_cache", "/reset_mm_cache", "/resume", "/finish_weight_update"]
+    assert server.posts == [
+        "/pause",
+        "/reset_prefix_cache",
+        "/reset_encoder_cache",
+        "/reset_mm_cache",
+        "/resume",
+        "/finish_weight_update",
+    ]
     server.started = 2000.0  # restarted: it serves its checkpoint again
     assert client.weight_version() == "default"
     client.update_weight_version("step-3")

@@ -44,24 +44,30 @@ def named_tensors(draw: st.DrawFn) -> list[tuple[str, torch.Tensor]]:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
 
 
 @given(named_tensors())
 @settings(max_examples=60, deadline=None)
-def test_a_bucket_unpacks_to_its_tensors_bit_exact_and_aligned(tensors: list[tuple[str, torch.Tensor]]) -> None:
+def test_a_bucket_unpacks_to_its_tensors_bit_exact_and_aligned(
+    tensors: list[tuple[str, torch.Tensor]],
+) -> None:
     info = bucket_layout(tensors)
     assert all(offset % BUCKET_ALIGNMENT == 0 for offset in info.offsets)
     last_name, last = tensors[-1]
     assert info.nbytes == info.offsets[-1] + last.numel() * last.element_size()
     buffer = torch.zeros(info.nbytes, dtype=torch.uint8)
-    for (_, tensor), offset in zip(tensors, info.offsets):
+    for (_, tensor), offset in zip(tensors, info.offsets, strict=True):
         size = tensor.numel() * tensor.element_size()
         buffer[offset : offset + size] = tensor.contiguous().view(-1).view(torch.uint8)
     wire = GlooWeightTransferUpdateInfo(**asdict(info))  # as vLLM parses it from JSON
     unpacked = unpack_bucket(buffer, wire)
     assert [name for name, _ in unpacked] == [name for name, _ in tensors]
-    assert all(same(a, b) for (_, a), (_, b) in zip(unpacked, tensors))
+    assert all(same(a, b) for (_, a), (_, b) in zip(unpacked, tensors, strict=True))
 
 
 @given(named_tensors(), st.integers(1, 600))
@@ -77,16 +83,28 @@ def test_the_trainer_packs_every_tensor_once_in_order_within_the_bucket_size(
         assert info.nbytes <= bucket_bytes or len(info.names) == 1, (info.nbytes, sizes)
         received += [(name, tensor.clone()) for name, tensor in unpack_bucket(buffer, info)]
     assert [name for name, _ in received] == [name for name, _ in tensors]
-    assert all(same(a, b) for (_, a), (_, b) in zip(received, tensors))
+    assert all(same(a, b) for (_, a), (_, b) in zip(received, tensors, strict=True))
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"names": ["a"], "dtype_names": [], "shapes": [[1]], "offsets": [0], "nbytes": 4}, "differ in length"),
-        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]], "offsets": [4], "nbytes": 12}, "unaligned"),
-        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[4]], "offsets": [0], "nbytes": 8}, "outside"),
-        ({"names": ["a"], "dtype_names": ["nope"], "shapes": [[1]], "offsets": [0], "nbytes": 4}, "not a torch dtype"),
+        (
+            {"names": ["a"], "dtype_names": [], "shapes": [[1]], "offsets": [0], "nbytes": 4},
+            "differ in length",
+        ),
+        (
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]], "offsets": [4], "nbytes": 12},
+            "unaligned",
+        ),
+        (
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[4]], "offsets": [0], "nbytes": 8},
+            "outside",
+        ),
+        (
+            {"names": ["a"], "dtype_names": ["nope"], "shapes": [[1]], "offsets": [0], "nbytes": 4},
+            "not a torch dtype",
+        ),
     ],
 )
 def test_a_malformed_update_info_is_refused_naming_the_tensor(fields: dict[str, Any], message: str) -> None:
@@ -120,7 +138,13 @@ def receive(calls: Any, results: Any) -> None:
     while True:
         kind, info = calls.get(timeout=60)
         if kind == "init":
-            group = join_group(info["master_address"], info["master_port"], info["rank_offset"], info["world_size"], timeout_s=60)
+            group = join_group(
+                info["master_address"],
+                info["master_port"],
+                info["rank_offset"],
+                info["world_size"],
+                timeout_s=60,
+            )
         elif kind == "update":
             parsed = GlooWeightTransferUpdateInfo(**info)
             buffer = torch.empty(parsed.nbytes, dtype=torch.uint8)
@@ -147,7 +171,12 @@ def test_a_transfer_over_gloo_delivers_every_tensor_bit_exact() -> None:
     worker = threading.Thread(target=receive, args=(calls, results), daemon=True)  # its own gloo rank
     worker.start()
     info = GlooTrainerInitInfo(
-        master_address="127.0.0.1", master_port=free_port(), world_size=2, bucket_bytes=4096, timeout_s=60, rank=0
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        world_size=2,
+        bucket_bytes=4096,
+        timeout_s=60,
+        rank=0,
     )
     engine = GlooTrainerWeightTransferEngine.trainer_init(
         info, client=QueueClient(calls), source=PolicyWeightSource(lambda: iter(weights.items()))
@@ -169,7 +198,9 @@ def test_non_sender_ranks_only_run_the_export() -> None:
         return iter([("w", torch.zeros(2))])
 
     engine = GlooTrainerWeightTransferEngine(
-        client=None, source=PolicyWeightSource(export), is_sender=False  # type: ignore[arg-type]
+        client=None,
+        source=PolicyWeightSource(export),
+        is_sender=False,  # type: ignore[arg-type]
     )
     engine.send_weights()  # a client call would fail on None, a broadcast on the missing group
     assert exported == [1]

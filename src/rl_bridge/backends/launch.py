@@ -10,8 +10,8 @@ from rl_bridge.backends.local import start_local_roles
 
 if TYPE_CHECKING:
     from rl_bridge.backends.handles import Roles
-    from rl_bridge.tasks import TaskData
     from rl_bridge.recipe import Recipe
+    from rl_bridge.tasks import TaskData
 
 __all__ = ["start_roles"]
 

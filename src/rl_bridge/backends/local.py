@@ -20,9 +20,9 @@ from rl_bridge.grpo import needs_reference
 from rl_bridge.services.supervisor import RestartPolicy, ServiceSupervisor
 
 if TYPE_CHECKING:
-    from rl_bridge.tasks import TaskData
     from rl_bridge.placement import Plan
     from rl_bridge.recipe import Recipe
+    from rl_bridge.tasks import TaskData
 
 __all__ = ["start_local_roles"]
 

@@ -57,10 +57,10 @@ from rl_bridge.grpo import needs_reference
 if TYPE_CHECKING:
     import ray
 
-    from rl_bridge.tasks import TaskData
     from rl_bridge.recipe import ClusterSection, ModelSection, Recipe, RolePlacement
     from rl_bridge.services.gym_server import GymServerSpec
     from rl_bridge.services.vllm_server import VLLMServerConfig
+    from rl_bridge.tasks import TaskData
 
 __all__ = [
     "GymServersActor",

@@ -7,11 +7,11 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rl_bridge.tasks import TaskData
     from rl_bridge.placement import VLLMReplica
     from rl_bridge.processors import MediaProcessor
     from rl_bridge.recipe import Recipe
     from rl_bridge.services.vllm_server import VLLMServerConfig
+    from rl_bridge.tasks import TaskData
     from vllm_video_plugin.contract import VideoSamplingContract
 
 __all__ = ["model_loader_args", "replica_server", "run_processor", "vllm_config", "weight_transfer_backend"]

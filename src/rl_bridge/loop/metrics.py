@@ -182,8 +182,8 @@ def write_curves(
 
     ax = next(panels)
     reasons = sorted({name for record in history for name in record if name.startswith("masked/")})
-    counted = ["preprocess/masked", *reasons, "rollout/retries", "rollout/redispatches", "rollout/server_restarts",
-               "rollout/crashed_server"]  # fmt: skip
+    counted = ["preprocess/masked", *reasons, "rollout/retries", "rollout/redispatches",
+               "rollout/server_restarts", "rollout/crashed_server"]  # fmt: skip
     nonzero = [n for n in counted if any(r.get(n, 0.0) for r in history)]
     finish(
         ax,

@@ -170,7 +170,8 @@ def model_parallel_group(
     env = RankEnvironment.from_environ() if environment is None else environment
     if tensor_parallel < 1 or pipeline_parallel < 1 or env.world_size % (tensor_parallel * pipeline_parallel):
         raise ValueError(
-            f"model_parallel_group: tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} "
+            f"model_parallel_group: tensor_parallel={tensor_parallel} "
+            f"x pipeline_parallel={pipeline_parallel} "
             f"does not divide the world size {env.world_size}"
         )
     use_cuda = torch.cuda.is_available()

@@ -50,7 +50,6 @@ LOOPBACK_HOST = "127.0.0.1"
 _PLUGIN_LOGGERS = ("vllm_video_plugin",)
 
 
-
 class VLLMServerConfig(BaseModel):
     """Options of one vLLM server. Fields left ``None`` keep vLLM's own default."""
 
@@ -136,7 +135,8 @@ class VLLMServerConfig(BaseModel):
             for flag, value in _worker_count_args(self.extra_args):
                 if value != "1":
                     raise ValueError(
-                        f"worker_in_engine_process runs a single worker, but extra_args ask for {flag} {value}"
+                        "worker_in_engine_process runs a single worker, "
+                        f"but extra_args ask for {flag} {value}"
                     )
         return self
 

@@ -40,10 +40,13 @@ _WORDS = (
 # JSON pieces ("name", ' "', "watch", "segment", ' {"', "}}" ...) become single merges, so a call is
 # 20 tokens instead of 41, and over the tokens of its own encoding each call has exactly one spelling
 # (what ``rollout.canonical_actions`` relies on).
-_TOOL_CALLS = tuple(
-    f'<tool_call>\n{{"name": "watch_segment", "arguments": {{"segment": {k}}}}}\n</tool_call>'
-    for k in range(1, 7)
-) * 2
+_TOOL_CALLS = (
+    tuple(
+        f'<tool_call>\n{{"name": "watch_segment", "arguments": {{"segment": {k}}}}}\n</tool_call>'
+        for k in range(1, 7)
+    )
+    * 2
+)
 
 #: The fixed training text: task vocabulary, chat-template words and short sentences.
 CORPUS: tuple[str, ...] = (

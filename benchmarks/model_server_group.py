@@ -12,9 +12,11 @@ their logprobs), so that nothing but the server's own work is measured:
 - **stock**: Gym's ``vllm_model`` with the same number of samples, each its own request and answer.
 
 Every request goes through the server's whole FastAPI app (its middleware, the route, the
-response's serialization) over an in-process ASGI transport. For each configuration it reports
-when each response reached the caller, in milliseconds after the first answer from the stand-in
-vLLM (the median of ``--rounds`` rounds), and the server's time per sample. Run from the project
+response's serialization) over an in-process ASGI transport. The two servers run in alternating
+rounds, so that the machine's drift falls on both. For each it reports when each response reached
+the caller, in milliseconds after the first answer from the stand-in vLLM (the median of
+``--rounds`` rounds), and the server's time per sample; and the median of the round-by-round
+ratios of the last response. Run from the project
 root with the Gym environment, on an otherwise idle machine::
 
     envs/gym/.venv/bin/python benchmarks/model_server_group.py \
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -175,27 +178,51 @@ async def one_round(
     }
 
 
-def run(name: str, args: argparse.Namespace, media_root: str) -> dict[str, Any]:
-    server = build_server(name, media_root)
-    n = args.group_size if name == "ours" else 1
-    answers = {n: canned_answer(n, args.prompt_tokens, 64, seed=n)}
-    rounds = [
-        asyncio.run(one_round(server, name, args.groups, args.group_size, answers, f"r{i}"))
-        for i in range(args.rounds + 1)
-    ][1:]  # the first round warms the app up
+def run(args: argparse.Namespace, media_root: str) -> dict[str, dict[str, Any]]:
+    """Both servers timed in alternating rounds (which goes first alternates too), so that a drift
+    in the machine's speed falls on both: per server the medians of ``args.rounds`` rounds."""
+    names = ("stock", "ours")
+    servers = {name: build_server(name, media_root) for name in names}
+    answers = {
+        name: {n: canned_answer(n, args.prompt_tokens, 64, seed=n)}
+        for name in names
+        for n in [args.group_size if name == "ours" else 1]
+    }
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for i in range(args.rounds + 1):
+        for name in names if i % 2 == 0 else names[::-1]:
+            timed = asyncio.run(
+                one_round(servers[name], name, args.groups, args.group_size, answers[name], f"r{i}")
+            )
+            if i:  # the first round warms each app up
+                rounds[name].append(timed)
     samples = args.groups * args.group_size
 
-    def median_at(position: int) -> float:
-        return statistics.median(r["responses_ms"][position] for r in rounds)
+    def summary(timed: list[dict[str, Any]]) -> dict[str, Any]:
+        def median_at(position: int) -> float:
+            return statistics.median(r["responses_ms"][position] for r in timed)
 
-    return {
-        "first_response_ms": median_at(0),
-        "median_response_ms": median_at(samples // 2),
-        "last_response_ms": median_at(samples - 1),
-        "last_answer_ms": statistics.median(r["answers_ms"][-1] for r in rounds),
-        "wall_per_sample_ms": statistics.median(r["wall_per_sample_ms"] for r in rounds),
-        "median_round": sorted(rounds, key=lambda r: r["responses_ms"][-1])[len(rounds) // 2],
+        return {
+            "first_response_ms": median_at(0),
+            "median_response_ms": median_at(samples // 2),
+            "last_response_ms": median_at(samples - 1),
+            "last_answer_ms": statistics.median(r["answers_ms"][-1] for r in timed),
+            "wall_per_sample_ms": statistics.median(r["wall_per_sample_ms"] for r in timed),
+            "last_response_ms_range": [
+                min(r["responses_ms"][-1] for r in timed),
+                max(r["responses_ms"][-1] for r in timed),
+            ],
+            "median_round": sorted(timed, key=lambda r: r["responses_ms"][-1])[len(timed) // 2],
+        }
+
+    results = {name: summary(rounds[name]) for name in names}
+    results["paired"] = {  # round by round: stock's last response over ours'
+        "stock_last_response_over_ours_median": statistics.median(
+            s["responses_ms"][-1] / o["responses_ms"][-1]
+            for s, o in zip(rounds["stock"], rounds["ours"], strict=True)
+        )
     }
+    return results
 
 
 def main() -> None:
@@ -203,14 +230,15 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups a replica holds (16 over 8: 2)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1189, help="the 3B rollout benchmark's prompt")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as media_root:
-        results = {name: run(name, args, media_root) for name in ("stock", "ours")}
-    for name, result in results.items():
+        results = run(args, media_root)
+    for name in ("stock", "ours"):
+        result = results[name]
         print(
-            f"{name:12s}: responses at +{result['first_response_ms']:.1f} (first), "
+            f"{name:5s}: responses at +{result['first_response_ms']:.1f} (first), "
             f"+{result['median_response_ms']:.1f} (median), +{result['last_response_ms']:.1f} ms (last) "
             f"after the first answer; the server {result['wall_per_sample_ms']:.2f} ms a sample"
         )
@@ -219,6 +247,7 @@ def main() -> None:
         / results["ours"][f"{what}_response_ms"]
         for what in ("first", "median", "last")
     }
+    ratios.update(results.pop("paired"))
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     if args.json:
@@ -226,7 +255,11 @@ def main() -> None:
             "command": "envs/gym/.venv/bin/python benchmarks/model_server_group.py "
             f"--groups {args.groups} --group-size {args.group_size} --prompt-tokens {args.prompt_tokens} "
             f"--rounds {args.rounds}",
-            "host": {"machine": platform.machine(), "python": platform.python_version()},
+            "host": {
+                "machine": platform.machine(),
+                "cores": os.cpu_count(),
+                "python": platform.python_version(),
+            },
             "results": results,
             "ratios": ratios,
         }

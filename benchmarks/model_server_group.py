@@ -183,11 +183,8 @@ def run(args: argparse.Namespace, media_root: str) -> dict[str, dict[str, Any]]:
     in the machine's speed falls on both: per server the medians of ``args.rounds`` rounds."""
     names = ("stock", "ours")
     servers = {name: build_server(name, media_root) for name in names}
-    answers = {
-        name: {n: canned_answer(n, args.prompt_tokens, 64, seed=n)}
-        for name in names
-        for n in [args.group_size if name == "ours" else 1]
-    }
+    choices = {"stock": 1, "ours": args.group_size}  # stock: one answer a sample; ours: one a group
+    answers = {name: {n: canned_answer(n, args.prompt_tokens, 64, seed=n)} for name, n in choices.items()}
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i in range(args.rounds + 1):
         for name in names if i % 2 == 0 else names[::-1]:
